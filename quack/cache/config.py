@@ -1,0 +1,89 @@
+"""Every environment knob of the kernel cache, read in one place.
+
+Knobs are read on each lookup (not once at import) so tests, Bazel actions and
+``monkeypatch.setenv`` see their current values.
+
+=====================  ==========  =====================================================
+Variable               Type        Meaning (default)
+=====================  ==========  =====================================================
+``QUACK_CACHE_DIR``    path        Writable layer: compiles are exported here
+                                   (``$XDG_CACHE_HOME/quack``, else ``~/.cache/quack``).
+``QUACK_CACHE_PATH``   path list   Read-only layers, ``os.pathsep``-separated, searched
+                                   in order before the writable layer (none).
+``QUACK_CACHE_STRICT`` bool        ``1``: a miss raises ``CacheMissError`` instead of
+                                   compiling; a bad entry raises ``CacheError`` (``0``).
+``QUACK_ARCH``         str         GPU arch to compile for, e.g. ``sm_90a`` (the visible
+                                   GPU's compute capability, else ``sm_90a``).
+=====================  ==========  =====================================================
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+DEFAULT_ARCH = "sm_90a"
+
+# A generic x86-64 host target makes the host half of an object identical on
+# every build machine; the native default bakes in the builder's CPU.
+HOST_TARGET = "llvm -mtriple=x86_64-unknown-linux-gnu -mcpu=x86-64"
+
+_TRUE = {"1", "true", "yes", "on"}
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """A snapshot of the knobs for one lookup."""
+
+    writable_dir: Path
+    readonly_dirs: tuple[Path, ...]  # already resolved to their real roots
+    strict: bool
+    arch: str
+
+
+def read_config() -> CacheConfig:
+    """Read every knob from the environment now."""
+    return CacheConfig(
+        writable_dir=_writable_dir(),
+        readonly_dirs=_resolve_layers(os.environ.get("QUACK_CACHE_PATH", "")),
+        strict=os.environ.get("QUACK_CACHE_STRICT", "").strip().lower() in _TRUE,
+        arch=current_arch(),
+    )
+
+
+def current_arch() -> str:
+    """``QUACK_ARCH``, else the visible GPU's arch, else ``sm_90a``.
+
+    Major >= 9 gets the ``a`` suffix: Hopper kernels need the arch-specific
+    features (wgmma, TMA multicast) that plain ``sm_90`` does not enable.
+    """
+    arch = os.environ.get("QUACK_ARCH", "").strip()
+    if arch:
+        return arch
+    import torch
+
+    if torch.cuda.is_available():
+        major, minor = torch.cuda.get_device_capability()
+        return f"sm_{major}{minor}{'a' if major >= 9 else ''}"
+    return DEFAULT_ARCH
+
+
+def _writable_dir() -> Path:
+    explicit = os.environ.get("QUACK_CACHE_DIR", "").strip()
+    if explicit:
+        return Path(explicit).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME", "").strip()
+    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
+    return base / "quack"
+
+
+@functools.lru_cache(maxsize=None)
+def _resolve_layers(raw: str) -> tuple[Path, ...]:
+    """Resolve each read-only layer once to its real root.
+
+    Bazel runfiles are symlink trees; entries are later accepted only if their
+    own real path stays inside one of these roots.
+    """
+    return tuple(Path(os.path.realpath(p)) for p in raw.split(os.pathsep) if p.strip())

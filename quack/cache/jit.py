@@ -1,0 +1,236 @@
+"""``jit_cache``: the decorator that turns a compile function into a cached kernel getter.
+
+Lookup order for a key: in-process memory, each read-only layer
+(``QUACK_CACHE_PATH``), the writable layer (``QUACK_CACHE_DIR``), then a compile
+that exports into the writable layer under a per-key lock (re-checked after the
+lock is taken, so racing processes compile once). Strict mode turns the compile
+into ``CacheMissError``. Compile-only mode only ensures the entry exists and
+returns a no-op handle: loading native code needs a CUDA driver.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from . import native, stats
+from .config import CacheConfig, read_config
+from .errors import CacheError, CacheMissError
+from .handle import KernelHandle, _noop_kernel
+from .key import function_prefix, key_hash, object_key
+from .mode import compile_only_active
+from .source_hash import module_source_hash
+from .store import Layer, key_lock, remove_entries, verify_entry, write_entry
+
+log = logging.getLogger("quack.cache")
+
+_MEMORY: dict[str, KernelHandle] = {}  # keyhash -> loaded or freshly compiled handle
+_ENSURED: set[tuple[Path, str]] = set()  # (writable root, keyhash) known on disk, compile-only
+_WARNED: set[tuple[str, str, str]] = set()  # (layer, keyhash, problem) already logged
+_LOCK = threading.Lock()
+
+
+@dataclass(frozen=True)
+class Request:
+    """One lookup: the key, where to look, and how to compile on a miss."""
+
+    family: str
+    function: str
+    key: dict[str, Any]
+    keyhash: str
+    prefix: str
+    config: CacheConfig
+    compile: Callable[[], Any]
+
+    @property
+    def layers(self) -> list[Layer]:
+        readonly = [Layer(p, str(p), False) for p in self.config.readonly_dirs]
+        return readonly + [self.writable]
+
+    @property
+    def writable(self) -> Layer:
+        return Layer(self.config.writable_dir, "writable", True)
+
+
+def jit_cache(family: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Decorate a kernel family's compile function; its arguments are the static key.
+
+    The decorated function returns a handle: ``handle(*runtime_args)`` launches
+    the kernel (a no-op under compile-only mode). Positional and keyword calls
+    with the same values give the same key.
+    """
+
+    def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
+        signature = inspect.signature(fn)
+
+        @functools.wraps(fn)
+        def get(*args: Any, **kwargs: Any) -> Callable[..., Any]:
+            bound = signature.bind(*args, **kwargs)
+            bound.apply_defaults()
+            return get_kernel(_request(family, fn, bound))
+
+        return get
+
+    return decorate
+
+
+def get_kernel(req: Request) -> Callable[..., Any]:
+    """Resolve one request to a handle, in the documented lookup order."""
+    if compile_only_active():
+        return _ensure_exported(req)
+    handle = _lookup_memory(req) or _lookup_layers(req, load=True)
+    if handle is None:
+        handle = _compile(req, load=True)
+        with _LOCK:
+            _MEMORY[req.keyhash] = handle
+    return handle
+
+
+def _request(family: str, fn: Callable[..., Any], bound: inspect.BoundArguments) -> Request:
+    config = read_config()
+    key = object_key(family, fn.__module__, fn.__qualname__, dict(bound.arguments), config.arch)
+    keyhash = key_hash(key)
+    return Request(
+        family=family,
+        function=f"{fn.__module__}.{fn.__qualname__}",
+        key=key,
+        keyhash=keyhash,
+        prefix=function_prefix(family, keyhash),
+        config=config,
+        compile=lambda: fn(*bound.args, **bound.kwargs),
+    )
+
+
+def _ensure_exported(req: Request) -> Callable[..., Any]:
+    """Compile-only: make sure a valid entry exists in some layer; never load."""
+    marker = (req.config.writable_dir, req.keyhash)
+    if marker in _ENSURED:
+        stats.record_hit("memory")
+    elif _lookup_layers(req, load=False) is None:
+        _compile(req, load=False)
+    with _LOCK:
+        _ENSURED.add(marker)
+    return _noop_kernel
+
+
+def _lookup_memory(req: Request) -> KernelHandle | None:
+    """A handle this process already loaded or compiled for the key."""
+    handle = _MEMORY.get(req.keyhash)
+    if handle is not None:
+        stats.record_hit("memory")
+    return handle
+
+
+def _lookup_layers(req: Request, *, load: bool) -> Callable[..., Any] | None:
+    """First valid entry across the layers, loaded (or a no-op when ``load`` is false).
+
+    A bad entry or a failed load is logged once and skipped (strict: raised).
+    """
+    for layer in req.layers:
+        handle = _probe(layer, req, load=load)
+        if handle is not None:
+            stats.record_hit(layer.label)
+            if load:
+                with _LOCK:
+                    _MEMORY[req.keyhash] = handle
+            return handle
+    return None
+
+
+def _probe(layer: Layer, req: Request, *, load: bool, report: bool = True) -> Callable[..., Any] | None:
+    """Verify one layer's entry and load it; ``None`` when absent or bad.
+
+    ``report=False`` skips reporting a bad entry (already reported before the lock).
+    """
+    verdict = verify_entry(layer, req.family, req.keyhash, req.key)
+    if verdict.state == "absent":
+        return None
+    if verdict.state == "bad":
+        if report:
+            _report_bad(layer, req, verdict.problem)
+        return None
+    if not load:
+        return _noop_kernel
+    start = time.perf_counter()
+    try:
+        handle = native.load_object(layer.object_path(req.family, req.keyhash), req.prefix, req.keyhash)
+    except Exception as exc:  # any load failure is a miss, never a crash
+        if report:
+            _report_bad(layer, req, f"load failed ({type(exc).__name__}: {exc})")
+        return None
+    stats.record_seconds("load", time.perf_counter() - start)
+    return handle
+
+
+def _compile(req: Request, *, load: bool) -> Callable[..., Any]:
+    """Miss: compile and export into the writable layer under the key's lock.
+
+    Re-checks the writable layer once the lock is held: another process may
+    have exported the entry meanwhile. Strict mode raises instead.
+    """
+    stats.record("miss")
+    if req.config.strict:
+        raise CacheMissError(_miss_message(req))
+    layer = req.writable
+    with key_lock(layer, req.family, req.keyhash):
+        handle = _probe(layer, req, load=load, report=False)
+        if handle is not None:
+            stats.record_hit(layer.label)
+            return handle
+        start = time.perf_counter()
+        compiled = req.compile()
+        stats.record("compile")
+        write_entry(
+            layer,
+            req.family,
+            req.keyhash,
+            req.key,
+            req.prefix,
+            lambda directory, name: native.export_object(compiled, directory, name, req.prefix),
+        )
+        stats.record("export")
+        stats.record_seconds("compile", time.perf_counter() - start)
+    return KernelHandle(compiled, req.keyhash) if load else _noop_kernel
+
+
+def _report_bad(layer: Layer, req: Request, problem: str) -> None:
+    """Count and log a bad entry once; in strict mode raise ``CacheError`` naming it."""
+    stats.record("bad_entry")
+    where = layer.object_path(req.family, req.keyhash)
+    message = f"bad cache entry {where} for {req.function} ({req.family}): {problem}"
+    if req.config.strict:
+        raise CacheError(message)
+    warned = (layer.label, req.keyhash, problem)
+    if warned not in _WARNED:
+        _WARNED.add(warned)
+        log.warning("%s; treating it as a miss", message)
+
+
+def _miss_message(req: Request) -> str:
+    fields = "\n".join(f"  {name} = {value!r}" for name, value in sorted(req.key.items()))
+    searched = ", ".join(str(layer.root) for layer in req.layers)
+    return (
+        f"quack cache miss in strict mode (QUACK_CACHE_STRICT=1): family {req.family!r}, "
+        f"kernel {req.function}, key {req.keyhash}\n{fields}\nsearched: {searched}"
+    )
+
+
+def clear(*, disk: bool = False) -> None:
+    """Forget in-process handles, warnings, source hashes and stats.
+
+    With ``disk=True`` also delete every entry of the current writable layer.
+    """
+    with _LOCK:
+        _MEMORY.clear()
+        _ENSURED.clear()
+        _WARNED.clear()
+    module_source_hash.cache_clear()
+    stats.reset()
+    if disk:
+        remove_entries(Layer(read_config().writable_dir, "writable", True))

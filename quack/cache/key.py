@@ -1,0 +1,112 @@
+"""The object key: everything that changes an exported object's bytes, nothing else.
+
+Included: family, function, source hash of the family's modules, CuTe DSL version,
+the CUDA flavour of the runtime library actually loaded, GPU arch, host target,
+compile options, the static arguments and ``CACHE_FORMAT_VERSION``. Excluded on
+purpose: Python and torch versions, hostname, checkout path, batch size -- none of
+them changes the bytes (see BUILD_ENV.md), and including them would split the
+cache between machines that could share it.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib.metadata
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+from .config import HOST_TARGET
+from .source_hash import module_source_hash
+
+# Bump when the entry layout, sidecar or key schema changes.
+CACHE_FORMAT_VERSION = 1
+
+_STATIC_SCALARS = (str, int, float, bool, type(None))
+
+
+def compile_options(arch: str) -> str:
+    """The ``cute.compile`` options string for ``arch`` with the pinned host target."""
+    return f"--gpu-arch {arch} --host-target '{HOST_TARGET}'"
+
+
+def object_key(
+    family: str, module: str, function: str, static_args: dict[str, Any], arch: str
+) -> dict[str, Any]:
+    """The key dict of one compiled object (JSON-serialisable, canonical)."""
+    for name, value in static_args.items():
+        _check_static(function, name, value)
+    return {
+        "format": CACHE_FORMAT_VERSION,
+        "family": family,
+        "function": f"{module}.{function}",
+        "source": module_source_hash(module),
+        "dsl_version": dsl_version(),
+        "cuda": cuda_flavour(),
+        "arch": arch,
+        "host_target": HOST_TARGET,
+        "options": compile_options(arch),
+        # JSON round trip: tuples become lists, as they read back from a sidecar.
+        "args": json.loads(json.dumps(static_args)),
+    }
+
+
+def key_hash(key: dict[str, Any]) -> str:
+    """First 32 hex digits of sha256 over the canonical JSON of ``key``."""
+    return hashlib.sha256(canonical_json(key).encode()).hexdigest()[:32]
+
+
+def canonical_json(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"))
+
+
+@functools.lru_cache(maxsize=None)
+def dsl_version() -> str:
+    """The installed ``nvidia-cutlass-dsl`` version.
+
+    Falls back to ``cutlass.__version__`` where the wheel was unpacked without
+    its metadata (the GPU machine's device kit runs from ``PYTHONPATH``).
+    """
+    try:
+        return importlib.metadata.version("nvidia-cutlass-dsl")
+    except importlib.metadata.PackageNotFoundError:
+        import cutlass
+
+        return cutlass.__version__
+
+
+@functools.lru_cache(maxsize=None)
+def cuda_flavour() -> str:
+    """``cu12``/``cu13``: the flavour of the CuTe runtime library this process loads.
+
+    Both ``nvidia-cutlass-dsl-libs-cu12`` and ``-cu13`` may be installed; each puts
+    its runtime under ``nvidia_cutlass_dsl/<flavour>/lib``, so the flavour is read
+    from the path of the library actually selected, not from the installed list.
+    """
+    import cutlass.runtime
+
+    for lib in cutlass.runtime.find_runtime_libraries(enable_tvm_ffi=False):
+        for part in reversed(Path(lib).parts):
+            if re.fullmatch(r"cu\d+", part):
+                return part
+    return "unknown"
+
+
+def _check_static(function: str, name: str, value: Any) -> None:
+    """Static arguments must be plain scalars or tuples of them, so keys are stable."""
+    if isinstance(value, (tuple, list)):
+        for item in value:
+            _check_static(function, name, item)
+    elif not isinstance(value, _STATIC_SCALARS):
+        raise TypeError(
+            f"{function}: static argument {name!r} is a {type(value).__name__}; "
+            "cache keys take str, int, float, bool, None or tuples of them"
+        )
+
+
+def function_prefix(family: str, keyhash: str) -> str:
+    """Symbol prefix of an exported object, unique per key (two objects loaded into
+    one process must never share a symbol name)."""
+    return "quack_" + re.sub(r"\W", "_", family) + "_" + keyhash[:16]

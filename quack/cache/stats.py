@@ -1,0 +1,50 @@
+"""Process-wide counters of what the cache did, for tests, warm-up reports and benchmarks."""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from typing import Any
+
+_LOCK = threading.Lock()
+_HITS: Counter[str] = Counter()  # layer label ("memory", a read-only path, "writable") -> hits
+_COUNTS: Counter[str] = Counter()  # misses, compiles, exports, bad_entries
+_SECONDS: Counter[str] = Counter()  # load, compile
+
+
+def record_hit(layer: str) -> None:
+    with _LOCK:
+        _HITS[layer] += 1
+
+
+def record(event: str) -> None:
+    """Count one ``miss``, ``compile``, ``export`` or ``bad_entry``."""
+    with _LOCK:
+        _COUNTS[event] += 1
+
+
+def record_seconds(phase: str, seconds: float) -> None:
+    """Add time spent in ``load`` or ``compile`` (compile includes export)."""
+    with _LOCK:
+        _SECONDS[phase] += seconds
+
+
+def stats() -> dict[str, Any]:
+    """A snapshot: ``hits`` per layer plus totals; missing counters read 0."""
+    with _LOCK:
+        return {
+            "hits": dict(_HITS),
+            "misses": _COUNTS["miss"],
+            "compiles": _COUNTS["compile"],
+            "exports": _COUNTS["export"],
+            "bad_entries": _COUNTS["bad_entry"],
+            "load_seconds": _SECONDS["load"],
+            "compile_seconds": _SECONDS["compile"],
+        }
+
+
+def reset() -> None:
+    with _LOCK:
+        _HITS.clear()
+        _COUNTS.clear()
+        _SECONDS.clear()

@@ -1,0 +1,237 @@
+"""RMSNorm as a cached, torch-callable op: ``quack.rmsnorm(x, weight, eps, residual)``.
+
+    y = (x + residual) * rsqrt(mean((x + residual)^2) + eps) * weight
+
+over the last dimension of x (shape (..., N), N up to 262144, any number of
+rows).  With a residual it returns ``(y, x + residual)``, the pre-norm
+pattern.  Autograd gives gradients for x, weight and residual.
+
+The kernels live in ``quack/rmsnorm_kernels.py``; this file holds the cached
+compile functions (their arguments are the object key), the ``@cute_op`` ops,
+the allocating wrappers, the autograd Function, the public function and the
+fp32 reference ``rmsnorm_ref`` that tests import.
+
+Test: ``pytest tests/test_rmsnorm.py``; benchmark: ``python tools/bench/rmsnorm.py``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import cutlass.cute as cute
+import torch
+from cutlass import Float32, Int32
+
+from quack import rowwise
+from quack import torch_interop as ti
+from quack.cache import compile_options, jit_cache
+from quack.compile_only import is_compile_only
+from quack.cute_op import cute_op
+from quack.rmsnorm_kernels import RMSNormBackward, RMSNormForward
+from quack.rowwise import RowConfig
+
+MAX_N = 262144
+
+
+@jit_cache("rmsnorm")
+def compile_rmsnorm_fwd(dtype: str, weight_dtype: Optional[str], has_residual: bool, n: int, vec: int):
+    """Compile the forward kernel for one static specialisation (M is symbolic)."""
+    cfg = RowConfig.for_row(n, vec)
+    dt = ti.cute_dtype(dtype)
+    m = cute.sym_int()
+    rows = lambda: rowwise.fake_rows(dt, m, n, vec)  # noqa: E731
+    weight = rowwise.fake_vector(ti.cute_dtype(weight_dtype), n, vec) if weight_dtype else None
+    residual, residual_out = (rows(), rows()) if has_residual else (None, None)
+    rstd = rowwise.fake_vector(Float32, m)
+    return cute.compile(
+        RMSNormForward(cfg), rows(), weight, residual, rows(), residual_out, rstd,
+        Float32(0.0), cute.runtime.make_fake_stream(), options=compile_options(),
+    )
+
+
+@jit_cache("rmsnorm")
+def compile_rmsnorm_bwd(dtype: str, weight_dtype: Optional[str], has_dh_out: bool, n: int, vec: int):
+    """Compile the backward kernel (dw partials are written whenever a weight is given)."""
+    cfg = RowConfig.for_row(n, vec)
+    dt = ti.cute_dtype(dtype)
+    m = cute.sym_int()
+    rows = lambda: rowwise.fake_rows(dt, m, n, vec)  # noqa: E731
+    weight = rowwise.fake_vector(ti.cute_dtype(weight_dtype), n, vec) if weight_dtype else None
+    dw_partial = rowwise.fake_rows(Float32, cute.sym_int(), n, vec) if weight_dtype else None
+    dh_out = rows() if has_dh_out else None
+    rstd = rowwise.fake_vector(Float32, m)
+    return cute.compile(
+        RMSNormBackward(cfg), rows(), weight, rows(), dh_out, rstd, rows(), dw_partial,
+        Int32(1), cute.runtime.make_fake_stream(), options=compile_options(),
+    )
+
+
+def _vec(n: int, *tensors: Optional[torch.Tensor]) -> int:
+    """Vector width every tensor of the launch can use."""
+    present = [t for t in tensors if t is not None]
+    widest = max(t.element_size() for t in present)
+    return rowwise.vector_width(n, widest, *(ti.address(t) for t in present))
+
+
+@cute_op("quack::rmsnorm_fwd", mutates_args=("out", "residual_out", "rstd"))
+def _rmsnorm_fwd(
+    x: torch.Tensor,
+    weight: Optional[torch.Tensor],
+    residual: Optional[torch.Tensor],
+    out: torch.Tensor,
+    residual_out: Optional[torch.Tensor],
+    rstd: torch.Tensor,
+    eps: float,
+) -> None:
+    """Launch the forward kernel on 2-D (M, N) tensors."""
+    n = x.shape[1]
+    vec = _vec(n, x, weight, residual, out, residual_out)
+    kernel = compile_rmsnorm_fwd(
+        ti.dtype_name(x.dtype),
+        ti.dtype_name(weight.dtype) if weight is not None else None,
+        residual is not None,
+        n,
+        vec,
+    )
+    kernel(x, weight, residual, out, residual_out, rstd, Float32(eps), ti.current_stream())
+
+
+@cute_op("quack::rmsnorm_bwd", mutates_args=("dx", "dw_partial"))
+def _rmsnorm_bwd(
+    x: torch.Tensor,
+    weight: Optional[torch.Tensor],
+    dy: torch.Tensor,
+    dh_out: Optional[torch.Tensor],
+    rstd: torch.Tensor,
+    dx: torch.Tensor,
+    dw_partial: Optional[torch.Tensor],
+    num_ctas: int,
+) -> None:
+    """Launch the persistent backward kernel over ``num_ctas`` CTAs (clusters)."""
+    n = x.shape[1]
+    vec = _vec(n, x, weight, dy, dh_out, dx, dw_partial)
+    kernel = compile_rmsnorm_bwd(
+        ti.dtype_name(x.dtype),
+        ti.dtype_name(weight.dtype) if weight is not None else None,
+        dh_out is not None,
+        n,
+        vec,
+    )
+    kernel(x, weight, dy, dh_out, rstd, dx, dw_partial, Int32(num_ctas), ti.current_stream())
+
+
+def _validate(x, weight, residual) -> None:
+    ti.check_float("x", x)
+    ti.check_cuda("x", x)
+    ti.check_contiguous("x", x)
+    if x.dim() < 1 or x.shape[-1] == 0:
+        raise ValueError(f"x must have shape (..., N) with N >= 1, got {tuple(x.shape)}")
+    n = x.shape[-1]
+    if n > MAX_N:
+        raise ValueError(f"N = {n} is larger than the supported {MAX_N}")
+    if weight is not None:
+        ti.check_float("weight", weight, (torch.float32, x.dtype))
+        ti.check_cuda("weight", weight, x.device)
+        ti.check_contiguous("weight", weight)
+        if tuple(weight.shape) != (n,):
+            raise ValueError(f"weight must have shape ({n},), got {tuple(weight.shape)}")
+    if residual is not None:
+        ti.check_float("residual", residual, (x.dtype,))
+        ti.check_cuda("residual", residual, x.device)
+        ti.check_contiguous("residual", residual)
+        if residual.shape != x.shape:
+            raise ValueError(
+                f"residual shape {tuple(residual.shape)} differs from x shape {tuple(x.shape)}"
+            )
+
+
+def rmsnorm_fwd(x, weight=None, residual=None, eps=1e-6):
+    """Allocate outputs and run the forward op: returns (y, x + residual or None, rstd)."""
+    n = x.shape[-1]
+    x2 = x.reshape(-1, n)
+    res2 = residual.reshape(-1, n) if residual is not None else None
+    out = torch.empty_like(x2)
+    residual_out = torch.empty_like(x2) if residual is not None else None
+    rstd = torch.empty(x2.shape[0], device=x.device, dtype=torch.float32)
+    if x2.shape[0] > 0:
+        _rmsnorm_fwd(x2, weight, res2, out, residual_out, rstd, eps)
+    h = residual_out.view(x.shape) if residual_out is not None else None
+    return out.view(x.shape), h, rstd
+
+
+def rmsnorm_bwd(h, weight, dy, rstd, dh_out=None):
+    """Allocate gradients and run the backward op: returns (dh, dweight or None)."""
+    n = h.shape[-1]
+    h2, dy2 = h.reshape(-1, n), dy.contiguous().reshape(-1, n)
+    dh2 = dh_out.contiguous().reshape(-1, n) if dh_out is not None else None
+    m = h2.shape[0]
+    cfg = RowConfig.for_row(n, _vec(n, h2, weight, dy2))
+    clusters = ti.sm_count(h.device.index or 0) * max(1, 1024 // cfg.threads) // cfg.cluster_n
+    num_ctas = max(1, min(math.ceil(m / cfg.rows_per_cta), clusters))
+    dx = torch.empty_like(h2)
+    dw_partial = None
+    if weight is not None:
+        dw_partial = torch.zeros(num_ctas * cfg.rows_per_cta, n, device=h.device, dtype=torch.float32)
+    if m > 0:
+        _rmsnorm_bwd(h2, weight, dy2, dh2, rstd, dx, dw_partial, num_ctas)
+    dw = dw_partial.sum(0).to(weight.dtype) if weight is not None else None
+    return dx.view(h.shape), dw
+
+
+class _RMSNormFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, residual, eps):
+        y, h, rstd = rmsnorm_fwd(x, weight, residual, eps)
+        ctx.has_residual = residual is not None
+        ctx.save_for_backward(h if h is not None else x, weight, rstd)
+        if h is not None:
+            return y, h
+        return y
+
+    @staticmethod
+    def backward(ctx, dy, dh_out=None):
+        h, weight, rstd = ctx.saved_tensors
+        dh, dw = rmsnorm_bwd(h, weight, dy, rstd, dh_out if ctx.has_residual else None)
+        if weight is None or not ctx.needs_input_grad[1]:
+            dw = None
+        return dh, dw, dh if ctx.has_residual else None, None
+
+
+def rmsnorm(x, weight=None, eps: float = 1e-6, residual=None):
+    """RMSNorm over the last dimension; ``(y, x + residual)`` when a residual is given.
+
+    x: (..., N) contiguous CUDA tensor, float32/float16/bfloat16.  weight: (N,),
+    float32 or x's dtype.  residual: like x.  Raises TypeError for a wrong
+    dtype and ValueError for a wrong device, shape or layout.
+    """
+    _validate(x, weight, residual)
+    wants_grad = any(t is not None and t.requires_grad for t in (x, weight, residual))
+    if is_compile_only():
+        return _warm(x, weight, residual, eps, wants_grad)
+    if wants_grad and torch.is_grad_enabled():
+        return _RMSNormFunction.apply(x, weight, residual, eps)
+    y, h, _ = rmsnorm_fwd(x, weight, residual, eps)
+    return (y, h) if residual is not None else y
+
+
+@torch.no_grad()
+def _warm(x, weight, residual, eps, wants_grad):
+    """Compile-only: export the forward kernel, and the backward one when an
+    input requires grad (autograd itself cannot run on fake CUDA tensors with a
+    CPU-only torch, see quack/testing/autograd.py).  Outputs carry no graph."""
+    y, h, rstd = rmsnorm_fwd(x, weight, residual, eps)
+    if wants_grad:
+        dh_out = torch.empty_like(h) if h is not None else None
+        rmsnorm_bwd(h if h is not None else x, weight, torch.empty_like(y), rstd, dh_out)
+    return (y, h) if residual is not None else y
+
+
+def rmsnorm_ref(x, weight=None, eps: float = 1e-6, residual=None):
+    """fp32 reference with the same signature and return convention."""
+    h = x.float() + residual.float() if residual is not None else x.float()
+    y = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    if weight is not None:
+        y = y * weight.float()
+    y = y.to(x.dtype)
+    return (y, h.to(x.dtype)) if residual is not None else y

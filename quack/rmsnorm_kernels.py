@@ -1,0 +1,270 @@
+"""RMSNorm forward and backward kernels (CuTe DSL, sm_90a).
+
+Forward, per row of h = x (+ residual):  y = h * rsqrt(mean(h^2) + eps) * w.
+Each CTA owns ``rows_per_cta`` rows (or, in a cluster, one slice of a row),
+loads its slice into registers once (16-byte vector loads where N and the
+pointers allow, element loads for odd N), reduces the sum of squares through
+``rowwise.row_sum`` and writes y, h (when a residual is given) and rstd.
+
+Backward, per row:  x̂ = h * rstd,  wdy = dy * w,  c = mean(x̂ * wdy),
+dh = (wdy - x̂ * c) * rstd (+ the gradient arriving at the h output).
+The backward grid is persistent: each CTA (cluster) strides over row tiles and
+accumulates dw += dy * x̂ in fp32 registers, writing one partial row per
+thread row at the end; the op sums the partials.
+
+Thread mapping, cluster sizes and the reduction are described in
+``quack/rowwise.py``.  Tests: tests/test_rmsnorm.py; benchmark:
+``python tools/bench/rmsnorm.py``.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, const_expr
+
+from quack import rowwise
+from quack.rowwise import RowConfig
+
+
+def _row_tiles(cfg: RowConfig, tile_m, cluster_rank, *tensors):
+    """Slice each (M, N) tensor to the tile this CTA owns (None stays None)."""
+    return [
+        cute.local_tile(t, cfg.tiler, (tile_m, cluster_rank)) if t is not None else None
+        for t in tensors
+    ]
+
+
+def _cluster_rank(cfg: RowConfig):
+    return cute.arch.block_idx()[1] if const_expr(cfg.cluster_n > 1) else Int32(0)
+
+
+class RMSNormForward:
+    """y = rmsnorm(x + residual) * w, with rstd (and x + residual) written out."""
+
+    def __init__(self, cfg: RowConfig):
+        self.cfg = cfg
+
+    @cute.jit
+    def __call__(
+        self,
+        mX: cute.Tensor,
+        mW: Optional[cute.Tensor],
+        mRes: Optional[cute.Tensor],
+        mY: cute.Tensor,
+        mResOut: Optional[cute.Tensor],
+        mRstd: cute.Tensor,
+        eps: Float32,
+        stream: cuda.CUstream,
+    ):
+        cfg = self.cfg
+        copy = rowwise.make_row_copy(mX.element_type, cfg)
+        self.kernel(mX, mW, mRes, mY, mResOut, mRstd, eps, copy).launch(
+            grid=[cute.ceil_div(mX.shape[0], cfg.rows_per_cta), cfg.cluster_n, 1],
+            block=[cfg.threads, 1, 1],
+            cluster=[1, cfg.cluster_n, 1] if const_expr(cfg.cluster_n > 1) else None,
+            stream=stream,
+        )
+
+    @cute.kernel
+    def kernel(
+        self,
+        mX: cute.Tensor,
+        mW: Optional[cute.Tensor],
+        mRes: Optional[cute.Tensor],
+        mY: cute.Tensor,
+        mResOut: Optional[cute.Tensor],
+        mRstd: cute.Tensor,
+        eps: Float32,
+        copy: cute.TiledCopy,
+    ):
+        cfg = self.cfg
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        rank = _cluster_rank(cfg)
+        if const_expr(cfg.cluster_n > 1):
+            cute.arch.cluster_arrive_relaxed()
+
+        smem = cutlass.utils.SmemAllocator()
+        sRed = smem.allocate_tensor(Float32, rowwise.reduction_buffer_layout(cfg), byte_alignment=8)
+
+        m, n = mX.shape[0], mX.shape[1]
+        cX = cute.make_identity_tensor((m, n))
+        gX, gRes, gY, gResOut, gC = _row_tiles(cfg, bidx, rank, mX, mRes, mY, mResOut, cX)
+        # gX: (rows_per_cta, cols_per_cta) tile of this CTA
+        thr = copy.get_slice(tidx)
+        tXgX, tXgY = thr.partition_S(gX), thr.partition_D(gY)
+        tXcX = thr.partition_S(gC)
+        # tXgX: ((vec), 1, vecs_per_thread) per thread
+        row = tXcX[0][0]
+        in_rows = row < m
+        tXpX = rowwise.copy_predicate(tXcX, m, n, not cfg.covers_n_exactly)
+        ld = rowwise.vector_atom(mX.element_type, cfg)
+
+        tXrX = cute.make_rmem_tensor_like(tXgX)
+        rowwise.load_row(ld, tXgX, tXrX, tXpX)
+        h = tXrX.load().to(Float32)
+        if const_expr(mRes is not None):
+            tXgRes = thr.partition_S(gRes)
+            tXrRes = cute.make_rmem_tensor_like(tXgRes)
+            ld_res = rowwise.vector_atom(mRes.element_type, cfg)
+            rowwise.load_row(ld_res, tXgRes, tXrRes, tXpX)
+            h = h + tXrRes.load().to(Float32)
+            tXgResOut = thr.partition_D(gResOut)
+            tXrResOut = cute.make_rmem_tensor_like(tXgResOut)
+            tXrResOut.store(h.to(mResOut.element_type))
+            st_res = rowwise.vector_atom(mResOut.element_type, cfg)
+            rowwise.store_row(st_res, tXrResOut, tXgResOut, tXpX)
+
+        if const_expr(cfg.cluster_n > 1):
+            cute.arch.cluster_wait()
+        sum_sq = (h * h).reduce(cute.ReductionOp.ADD, Float32(0.0), reduction_profile=0)
+        sum_sq = rowwise.row_sum(sum_sq, sRed[None, None, 0], cfg.threads_per_row, cfg.cluster_n)
+        rstd = cute.math.rsqrt(sum_sq / cfg.n + eps, fastmath=True)
+        if tXcX[0][1] == 0 and in_rows:
+            mRstd[row] = rstd
+
+        y = h * rstd
+        if const_expr(mW is not None):
+            gW = cute.local_tile(mW, (cfg.cols_per_cta,), (rank,))
+            # Broadcast the weight slice over the CTA's rows.
+            gW2 = cute.make_tensor(gW.iterator, cute.make_layout(cfg.tiler, stride=(0, 1)))
+            tXgW = thr.partition_S(gW2)
+            tXrW = cute.make_rmem_tensor_like(tXgW)
+            ld_w = rowwise.vector_atom(mW.element_type, cfg)
+            rowwise.load_row(ld_w, tXgW, tXrW, tXpX)
+            y = y * tXrW.load().to(Float32)
+        tXrY = cute.make_rmem_tensor_like(tXgY)
+        tXrY.store(y.to(mY.element_type))
+        st = rowwise.vector_atom(mY.element_type, cfg)
+        rowwise.store_row(st, tXrY, tXgY, tXpX)
+
+
+class RMSNormBackward:
+    """dh = (dy*w - x̂ * mean(x̂ * dy*w)) * rstd (+ dh_out); partial dw rows."""
+
+    def __init__(self, cfg: RowConfig):
+        self.cfg = cfg
+
+    @cute.jit
+    def __call__(
+        self,
+        mX: cute.Tensor,
+        mW: Optional[cute.Tensor],
+        mDy: cute.Tensor,
+        mDhOut: Optional[cute.Tensor],
+        mRstd: cute.Tensor,
+        mDx: cute.Tensor,
+        mDwPartial: Optional[cute.Tensor],
+        num_ctas: Int32,
+        stream: cuda.CUstream,
+    ):
+        cfg = self.cfg
+        copy = rowwise.make_row_copy(mX.element_type, cfg)
+        self.kernel(mX, mW, mDy, mDhOut, mRstd, mDx, mDwPartial, copy).launch(
+            grid=[num_ctas, cfg.cluster_n, 1],
+            block=[cfg.threads, 1, 1],
+            cluster=[1, cfg.cluster_n, 1] if const_expr(cfg.cluster_n > 1) else None,
+            stream=stream,
+        )
+
+    @cute.kernel
+    def kernel(
+        self,
+        mX: cute.Tensor,
+        mW: Optional[cute.Tensor],
+        mDy: cute.Tensor,
+        mDhOut: Optional[cute.Tensor],
+        mRstd: cute.Tensor,
+        mDx: cute.Tensor,
+        mDwPartial: Optional[cute.Tensor],
+        copy: cute.TiledCopy,
+    ):
+        cfg = self.cfg
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        num_ctas, _, _ = cute.arch.grid_dim()
+        rank = _cluster_rank(cfg)
+        if const_expr(cfg.cluster_n > 1):
+            cute.arch.cluster_arrive_relaxed()
+
+        smem = cutlass.utils.SmemAllocator()
+        # Two stages: consecutive row tiles alternate, see rowwise.row_sum.
+        sRed = smem.allocate_tensor(
+            Float32, rowwise.reduction_buffer_layout(cfg, stages=2), byte_alignment=8
+        )
+        m, n = mX.shape[0], mX.shape[1]
+        thr = copy.get_slice(tidx)
+        check_cols = not cfg.covers_n_exactly
+        atom_x = rowwise.vector_atom(mX.element_type, cfg)
+        atom_dy = rowwise.vector_atom(mDy.element_type, cfg)
+        atom_dx = rowwise.vector_atom(mDx.element_type, cfg)
+
+        # The weight slice is the same for every row tile: load it once.
+        cW = cute.local_tile(cute.make_identity_tensor((m, n)), cfg.tiler, (0, rank))
+        tWcW = thr.partition_S(cW)
+        w = None
+        if const_expr(mW is not None):
+            gW = cute.local_tile(mW, (cfg.cols_per_cta,), (rank,))
+            gW2 = cute.make_tensor(gW.iterator, cute.make_layout(cfg.tiler, stride=(0, 1)))
+            tXgW = thr.partition_S(gW2)
+            tXrW = cute.make_rmem_tensor_like(tXgW)
+            tWpW = rowwise.copy_predicate(tWcW, None, n, check_cols)
+            rowwise.load_row(rowwise.vector_atom(mW.element_type, cfg), tXgW, tXrW, tWpW)
+            w = tXrW.load().to(Float32)
+
+        tXrDw = None
+        if const_expr(mDwPartial is not None):
+            tXrDw = cute.make_rmem_tensor(tWcW.shape, Float32)
+            tXrDw.fill(0.0)
+
+        if const_expr(cfg.cluster_n > 1):
+            cute.arch.cluster_wait()
+        num_tiles = cute.ceil_div(m, cfg.rows_per_cta)
+        stage = Int32(0)
+        for tile in cutlass.range(bidx, num_tiles, num_ctas):
+            cX = cute.make_identity_tensor((m, n))
+            gX, gDy, gDhOut, gDx, gC = _row_tiles(cfg, tile, rank, mX, mDy, mDhOut, mDx, cX)
+            tXgX, tXgDy, tXgDx = thr.partition_S(gX), thr.partition_S(gDy), thr.partition_D(gDx)
+            tXcX = thr.partition_S(gC)
+            tXpX = rowwise.copy_predicate(tXcX, m, n, check_cols)
+            tXrX = cute.make_rmem_tensor_like(tXgX)
+            tXrDy = cute.make_rmem_tensor_like(tXgDy)
+            rowwise.load_row(atom_x, tXgX, tXrX, tXpX)
+            rowwise.load_row(atom_dy, tXgDy, tXrDy, tXpX)
+            row = tXcX[0][0]
+            rstd = Float32(0.0)
+            if row < m:
+                rstd = mRstd[row]
+            x_hat = tXrX.load().to(Float32) * rstd
+            dy = tXrDy.load().to(Float32)
+            wdy = dy * w if const_expr(mW is not None) else dy
+            dot = (x_hat * wdy).reduce(cute.ReductionOp.ADD, Float32(0.0), reduction_profile=0)
+            dot = rowwise.row_sum(dot, sRed[None, None, stage], cfg.threads_per_row, cfg.cluster_n)
+            dx = (wdy - x_hat * (dot / cfg.n)) * rstd
+            if const_expr(mDhOut is not None):
+                tXgDhOut = thr.partition_S(gDhOut)
+                tXrDhOut = cute.make_rmem_tensor_like(tXgDhOut)
+                rowwise.load_row(rowwise.vector_atom(mDhOut.element_type, cfg), tXgDhOut, tXrDhOut, tXpX)
+                dx = dx + tXrDhOut.load().to(Float32)
+            tXrDx = cute.make_rmem_tensor_like(tXgDx)
+            tXrDx.store(dx.to(mDx.element_type))
+            rowwise.store_row(atom_dx, tXrDx, tXgDx, tXpX)
+            if const_expr(mDwPartial is not None):
+                tXrDw.store(tXrDw.load() + dy * x_hat)
+            stage = 1 - stage
+
+        if const_expr(mDwPartial is not None):
+            # Partial row (bidx * rows_per_cta + row in CTA) of the (grid * rows, N) buffer.
+            gDw = cute.local_tile(mDwPartial, cfg.tiler, (bidx, rank))
+            tXgDw = thr.partition_D(gDw)
+            cDw = cute.local_tile(
+                cute.make_identity_tensor(mDwPartial.shape), cfg.tiler, (bidx, rank)
+            )
+            tXpDw = rowwise.copy_predicate(
+                thr.partition_S(cDw), mDwPartial.shape[0], n, check_cols
+            )
+            rowwise.store_row(rowwise.vector_atom(Float32, cfg), tXrDw, tXgDw, tXpDw)

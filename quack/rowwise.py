@@ -1,0 +1,246 @@
+"""Shared pieces of the row-wise memory-bound kernels (RMSNorm, softmax, ...).
+
+Every row-wise kernel maps a (M, N) row-major tensor the same way:
+
+* a CTA owns ``rows_per_cta`` rows and, when a cluster splits a row, one
+  ``cols_per_cta`` slice of it (cluster rank r owns columns
+  ``[r * cols_per_cta, (r + 1) * cols_per_cta)``);
+* inside a CTA, ``threads_per_row`` consecutive threads share a row and each
+  moves ``vec`` contiguous elements per copy (16 bytes when N allows), so a
+  warp reads contiguous 512-byte runs;
+* the whole slice of a row lives in registers (at most ``MAX_VALUES_PER_THREAD``
+  values per thread, which is what decides the cluster size), so the data is
+  read from global memory exactly once.
+
+Row reductions go lane -> warp (butterfly shuffles) -> CTA (one shared-memory
+slot per warp) -> cluster (each warp writes its partial into every peer CTA's
+shared memory through DSMEM, then one cluster barrier).  Reductions always run
+in fp32.
+
+Host side: ``RowConfig`` picks the launch settings from N and the element
+width; ``fake_rows`` builds the compile-time stand-ins of (M, N) tensors with a
+symbolic M and a symbolic 64-bit row stride, so one object serves every M and
+address arithmetic never overflows 32 bits.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Boolean, Float32, Int32, const_expr
+
+# Registers are the row's home; past this many values per thread the kernels
+# spill, so longer rows are split over a cluster instead.
+MAX_VALUES_PER_THREAD = 64
+# Hopper allows 16 CTAs per cluster (a non-portable size that the DSL opts into).
+MAX_CLUSTER = 16
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+@dataclass(frozen=True)
+class RowConfig:
+    """Launch settings of a row-wise kernel; every field is a compile-time constant."""
+
+    # Columns of one row (the static N of the compiled object).
+    n: int
+    # Elements per vector copy: 128 bits when N and the pointers allow it.
+    vec: int
+    # Threads per CTA.
+    threads: int
+    # Consecutive threads sharing one row.
+    threads_per_row: int
+    # CTAs of a cluster that split one row between them.
+    cluster_n: int
+
+    @staticmethod
+    def for_row(n: int, vec: int, max_values: int = MAX_VALUES_PER_THREAD) -> "RowConfig":
+        """The heuristic: 128 threads for short rows, 256 beyond 8K columns, and
+        threads per row / cluster size grown until a thread holds at most
+        ``max_values`` values."""
+        threads = 128 if n <= 8192 else 256
+        threads_per_row = min(threads, max(8, _next_pow2(math.ceil(n / 32))))
+        cluster_n = _next_pow2(math.ceil(n / (threads_per_row * max_values)))
+        # A peer CTA must own at least one vector per thread, or two CTAs would
+        # cover the same columns.
+        while cluster_n > 1 and threads_per_row * cluster_n * vec > n:
+            cluster_n //= 2
+        if cluster_n > MAX_CLUSTER:
+            raise ValueError(f"N={n} is too long for one cluster of {MAX_CLUSTER} CTAs")
+        return RowConfig(n, vec, threads, threads_per_row, cluster_n)
+
+    @property
+    def rows_per_cta(self) -> int:
+        return self.threads // self.threads_per_row
+
+    @property
+    def vecs_per_thread(self) -> int:
+        """Vector copies each thread makes to cover its slice of a row."""
+        row_chunk = self.threads_per_row * self.vec
+        per_cta = math.ceil(self.n / self.cluster_n)
+        return math.ceil(per_cta / row_chunk)
+
+    @property
+    def cols_per_cta(self) -> int:
+        return self.vecs_per_thread * self.threads_per_row * self.vec
+
+    @property
+    def tiler(self) -> tuple[int, int]:
+        """(rows, cols) of the tile one CTA owns."""
+        return (self.rows_per_cta, self.cols_per_cta)
+
+    @property
+    def warps_per_row(self) -> int:
+        return max(1, self.threads_per_row // 32)
+
+    @property
+    def covers_n_exactly(self) -> bool:
+        """True when no column predicate is needed."""
+        return self.cols_per_cta * self.cluster_n == self.n
+
+
+def vector_width(n: int, element_bytes: int, *pointers: int) -> int:
+    """Largest vector (in elements, at most 16 bytes) that divides N and keeps
+    every base pointer aligned; 1 for odd N with 16-bit data."""
+    vec = math.gcd(n, 16 // element_bytes)
+    for ptr in pointers:
+        while vec > 1 and ptr % (vec * element_bytes):
+            vec //= 2
+    return vec
+
+
+def fake_rows(dtype, m, n: int, vec: int):
+    """A compile-time (M, N) row-major tensor: M symbolic (shared object ``m``),
+    row stride a symbolic 64-bit multiple of ``vec``."""
+    width_bytes = dtype.width // 8
+    stride = cute.sym_int64(divisibility=vec)
+    return cute.runtime.make_fake_tensor(
+        dtype, (m, n), (stride, 1), assumed_align=vec * width_bytes
+    )
+
+
+def fake_vector(dtype, n, align_elems: int = 1):
+    """A compile-time contiguous vector of length ``n`` (static or symbolic)."""
+    return cute.runtime.make_fake_compact_tensor(
+        dtype, (n,), assumed_align=max(4, align_elems * dtype.width // 8)
+    )
+
+
+# --------------------------------------------------------------------------
+# Device-side helpers.
+# --------------------------------------------------------------------------
+
+
+def vector_atom(dtype, cfg: RowConfig) -> cute.CopyAtom:
+    """Copy atom moving one ``cfg.vec``-element vector of ``dtype``."""
+    return cute.make_copy_atom(
+        cute.nvgpu.CopyUniversalOp(), dtype, num_bits_per_copy=cfg.vec * dtype.width
+    )
+
+
+def make_row_copy(dtype, cfg: RowConfig) -> cute.TiledCopy:
+    """Tiled copy that gives each thread ``vecs_per_thread`` vectors of one row."""
+    atom = vector_atom(dtype, cfg)
+    thr_layout = cute.make_ordered_layout(
+        (cfg.rows_per_cta, cfg.threads_per_row), order=(1, 0)
+    )
+    val_layout = cute.make_layout((1, cfg.vec))
+    return cute.make_tiled_copy_tv(atom, thr_layout, val_layout)
+
+
+def copy_predicate(tXcX: cute.Tensor, m, n, check_cols: bool) -> cute.Tensor:
+    """One predicate per vector copy: is its row < M (skipped when ``m`` is
+    None) and, when the tile does not cover N exactly, its first column < N?
+
+    Plain Python, traced inline: the loops unroll at trace time.  (Passing a
+    predicate tensor into a ``@cute.jit`` helper loses its tensor type.)"""
+    tXpX = cute.make_rmem_tensor(
+        cute.make_layout(
+            (cute.size(tXcX, mode=[0, 1]), cute.size(tXcX, mode=[1]), cute.size(tXcX, mode=[2])),
+            stride=(cute.size(tXcX, mode=[2]), 0, 1),
+        ),
+        Boolean,
+    )
+    for v in range(tXpX.shape[0]):
+        for k in range(tXpX.shape[2]):
+            coord = tXcX[(0, v), 0, k]
+            ok = cute.elem_less(coord[0], m) if m is not None else True
+            if check_cols:
+                ok = cute.elem_less(coord[1], n) & ok
+            tXpX[v, 0, k] = ok
+    return tXpX
+
+
+def load_row(atom: cute.CopyAtom, src: cute.Tensor, dst: cute.Tensor, pred: cute.Tensor):
+    """Global -> registers; masked vectors read as zero."""
+    dst.fill(0)
+    cute.copy(atom, src, dst, pred=pred)
+
+
+def store_row(atom: cute.CopyAtom, src: cute.Tensor, dst: cute.Tensor, pred: cute.Tensor):
+    """Registers -> global, skipping masked vectors."""
+    cute.copy(atom, src, dst, pred=pred)
+
+
+def reduction_buffer_layout(cfg: RowConfig, stages: int = 1) -> cute.Layout:
+    """Shared slots: (row in CTA, (warp in row, cluster rank), stage)."""
+    return cute.make_ordered_layout(
+        (cfg.rows_per_cta, (cfg.warps_per_row, cfg.cluster_n), stages), order=(1, 0, 2)
+    )
+
+
+@cute.jit
+def row_sum(
+    val: Float32,
+    buffer: cute.Tensor,
+    threads_per_row: cutlass.Constexpr[int],
+    cluster_n: cutlass.Constexpr[int],
+) -> Float32:
+    """Sum ``val`` over the threads (and cluster peers) that share a row.
+
+    With a cluster, the kernel must have called ``cluster_arrive_relaxed`` at
+    its start and ``cluster_wait`` before the first call: DSMEM may only be
+    written once every peer CTA runs.
+
+    ``buffer`` is one stage of ``reduction_buffer_layout``: shape
+    (rows_per_cta, (warps_per_row, cluster_n)).  Callers that reduce more than
+    once in a loop alternate between two stages, which together with the
+    barrier here keeps a fast CTA from overwriting slots a slow peer still reads.
+    """
+    val = cute.arch.warp_reduction(
+        val, lambda a, b: a + b, threads_in_group=min(threads_per_row, 32)
+    )
+    if const_expr(threads_per_row <= 32 and cluster_n == 1):
+        return val
+    lane = cute.arch.lane_idx()
+    warp = cute.arch.warp_idx()
+    warps_per_row = const_expr(max(1, threads_per_row // 32))
+    row_in_cta = warp // warps_per_row
+    warp_in_row = warp % warps_per_row
+    if const_expr(cluster_n == 1):
+        if lane == 0:
+            buffer[row_in_cta, (warp_in_row, 0)] = val
+        cute.arch.barrier()
+    else:
+        rank = cute.arch.block_idx_in_cluster()
+        if lane < cluster_n:
+            offset = cute.crd2idx((row_in_cta, (warp_in_row, rank)), buffer.layout)
+            slot = buffer.iterator + offset
+            remote = cute.arch.map_dsmem_ptr(slot, lane)
+            cute.arch.inline_ptx(
+                "st.shared::cluster.f32 [{$r0}], {$r1};",
+                read_only_args=[Int32(remote.toint()), val],
+            )
+        cute.arch.cluster_arrive(aligned=True)
+        cute.arch.cluster_wait()
+    slots = const_expr(warps_per_row * cluster_n)
+    total = Float32(0.0)
+    for i in cutlass.range_constexpr(0, slots, 32):
+        if lane + i < slots:
+            total += buffer[row_in_cta, lane + i]
+    return cute.arch.warp_reduction(total, lambda a, b: a + b, threads_in_group=32)

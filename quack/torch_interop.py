@@ -1,0 +1,75 @@
+"""Small bridges between torch tensors and CuTe DSL launches, shared by every family.
+
+Input validation lives here so each op checks the same things, cheaply and
+before any launch: dtype (TypeError), device, shape and layout (ValueError).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from cutlass import BFloat16, Float16, Float32
+
+from quack.compile_only import is_compile_only
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+_CUTE_DTYPES = {"float32": Float32, "float16": Float16, "bfloat16": BFloat16}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The key spelling of a torch dtype: "bfloat16", "float32", ..."""
+    return str(dtype).removeprefix("torch.")
+
+
+def cute_dtype(name: str):
+    """CuTe DSL numeric type for a key dtype name."""
+    return _CUTE_DTYPES[name]
+
+
+def address(t: torch.Tensor) -> int:
+    """Byte address used for alignment decisions.
+
+    Fake tensors (compile-only) have no storage; their allocation base is
+    aligned like a real CUDA allocation, so only the storage offset counts."""
+    if isinstance(t, torch._subclasses.fake_tensor.FakeTensor):
+        return t.storage_offset() * t.element_size()
+    return t.data_ptr()
+
+
+@functools.lru_cache(maxsize=None)
+def sm_count(device_index: int) -> int:
+    """Streaming multiprocessors of the GPU (132 on an H100/H200 when none is visible)."""
+    if is_compile_only() or not torch.cuda.is_available():
+        return 132
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def current_stream():
+    """The CUDA stream torch is using, in the form CuTe launches take (None under compile-only)."""
+    if is_compile_only():
+        return None
+    import cuda.bindings.driver as cuda
+
+    return cuda.CUstream(torch.cuda.current_stream().cuda_stream)
+
+
+def check_float(name: str, t: torch.Tensor, allowed=FLOAT_DTYPES) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in allowed:
+        names = ", ".join(dtype_name(d) for d in allowed)
+        raise TypeError(f"{name} has dtype {dtype_name(t.dtype)}; expected one of {names}")
+
+
+def check_cuda(name: str, t: torch.Tensor, device: torch.device | None = None) -> None:
+    if t.device.type != "cuda":
+        raise ValueError(f"{name} must be on a CUDA device, got {t.device}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name} is on {t.device} but the input is on {device}")
+
+
+def check_contiguous(name: str, t: torch.Tensor) -> None:
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous (got strides {tuple(t.stride())})")

@@ -1,0 +1,1 @@
+"""A tiny real CuTe DSL kernel family and helpers for the cache tests (no GPU needed)."""

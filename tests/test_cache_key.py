@@ -1,0 +1,158 @@
+"""The object key: what enters it, what must not, and the per-family source hash."""
+
+import json
+import platform
+import shutil
+import socket
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import quack.cache
+from cache_fixtures.env import cache_env  # noqa: F401  (fixture)
+from quack.cache import key as keymod
+from quack.cache.source_hash import package_source_hash
+
+_FAKE_PACKAGE = {
+    "__init__.py": "from . import rmsnorm, softmax\n",
+    "rmsnorm.py": "from .base import Reduce\nfrom .cache import jit_cache\nimport math\n",
+    "softmax.py": "import fakeq.util\n\ndef f():\n    from fakeq import lazy\n",
+    "base.py": "from .deep import depth\nReduce = 1\n",
+    "deep.py": "depth = 2\n",
+    "util.py": "U = 1\n",
+    "lazy.py": "L = 1\n",
+    "cache/__init__.py": "C = 1\n",
+    "testing/plugin.py": "from .. import rmsnorm\n",
+}
+
+
+def _write_package(root: Path) -> Path:
+    pkg = root / "fakeq"
+    for rel, text in _FAKE_PACKAGE.items():
+        (pkg / rel).parent.mkdir(parents=True, exist_ok=True)
+        (pkg / rel).write_text(text)
+    return pkg
+
+
+def _hashes(pkg: Path) -> dict[str, str]:
+    return {fam: package_source_hash(pkg / f"{fam}.py", pkg, "fakeq") for fam in ("rmsnorm", "softmax")}
+
+
+@pytest.mark.parametrize(
+    "edited, changed",
+    [
+        ("softmax.py", {"softmax"}),
+        ("rmsnorm.py", {"rmsnorm"}),
+        ("base.py", {"rmsnorm"}),  # direct helper import
+        ("deep.py", {"rmsnorm"}),  # transitive: rmsnorm -> base -> deep
+        ("util.py", {"softmax"}),  # absolute `import fakeq.util`
+        ("lazy.py", {"softmax"}),  # import inside a function
+        ("cache/__init__.py", set()),  # the cache package is excluded
+        ("testing/plugin.py", set()),  # so is the testing package
+        ("__init__.py", set()),  # importing submodules does not pull in the package init
+    ],
+)
+def test_editing_a_file_changes_only_the_families_that_import_it(tmp_path, edited, changed):
+    pkg = _write_package(tmp_path)
+    before = _hashes(pkg)
+    with open(pkg / edited, "a") as f:
+        f.write("# edited\n")
+    after = _hashes(pkg)
+    assert {fam for fam in before if before[fam] != after[fam]} == changed
+
+
+def test_checkout_location_does_not_enter_the_source_hash(tmp_path):
+    assert _hashes(_write_package(tmp_path / "a")) == _hashes(_write_package(tmp_path / "deeper" / "b"))
+
+
+def test_fixture_family_hash_covers_its_helper(tmp_path):
+    src = Path(__file__).parent / "cache_fixtures"
+    copy = shutil.copytree(src, tmp_path / "cache_fixtures", ignore=shutil.ignore_patterns("__pycache__"))
+    hash_of = lambda: package_source_hash(copy / "add_kernel.py", copy, "cache_fixtures")  # noqa: E731
+    before = hash_of()
+    assert hash_of() == package_source_hash(src / "add_kernel.py", src, "cache_fixtures")
+    (copy / "env.py").write_text("# not imported by add_kernel\n")
+    assert hash_of() == before
+    (copy / "shapes.py").write_text("THREADS_PER_ROW = 32\n")
+    assert hash_of() != before
+
+
+def _key(**static):
+    return keymod.object_key("fam", "cache_fixtures.add_kernel", "compile_add", static, quack.cache.current_arch())
+
+
+def test_key_ignores_python_torch_host_and_checkout(monkeypatch, tmp_path, cache_env):
+    reference = _key(n=64, dtype="float32")
+    monkeypatch.setattr(sys, "version", "9.9.9 (fake)")
+    monkeypatch.setattr(sys, "version_info", (9, 9, 9, "final", 0))
+    monkeypatch.setattr(platform, "python_version", lambda: "9.9.9")
+    monkeypatch.setattr(torch, "__version__", "0.0.0+fake")
+    monkeypatch.setattr(socket, "gethostname", lambda: "elsewhere")
+    monkeypatch.chdir(tmp_path)
+    assert _key(n=64, dtype="float32") == reference
+    text = keymod.canonical_json(reference)
+    for leaked in (platform.python_version(), str(Path(__file__).parents[1]), socket.gethostname()):
+        assert leaked not in text
+
+
+def test_key_fields(cache_env):
+    key = _key(n=64, dtype="float32", shape=(1, 2))
+    assert set(key) == {
+        "format", "family", "function", "source", "dsl_version", "cuda",
+        "arch", "host_target", "options", "args",
+    }  # fmt: skip
+    assert key["format"] == quack.cache.CACHE_FORMAT_VERSION
+    assert key["args"] == {"n": 64, "dtype": "float32", "shape": [1, 2]}
+    assert key["dsl_version"] == "4.8.1"
+    assert len(keymod.key_hash(key)) == 32
+
+
+def test_arch_and_options_enter_the_key(monkeypatch, cache_env):
+    default = _key(n=64)
+    assert default["arch"] == "sm_90a"
+    monkeypatch.setenv("QUACK_ARCH", "sm_100a")
+    other = _key(n=64)
+    assert other["options"] == "--gpu-arch sm_100a --host-target 'llvm -mtriple=x86_64-unknown-linux-gnu -mcpu=x86-64'"
+    assert quack.cache.compile_options() == other["options"]
+    assert keymod.key_hash(default) != keymod.key_hash(other)
+    assert keymod.key_hash(_key(n=64)) != keymod.key_hash(_key(n=128))
+
+
+@pytest.mark.parametrize("capability, arch", [((9, 0), "sm_90a"), ((10, 0), "sm_100a"), ((8, 0), "sm_80")])
+def test_arch_from_visible_gpu(monkeypatch, capability, arch):
+    monkeypatch.delenv("QUACK_ARCH", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: capability)
+    assert quack.cache.current_arch() == arch
+
+
+def test_cuda_flavour_follows_the_loaded_runtime_not_installed_packages(monkeypatch):
+    import cutlass.runtime
+
+    keymod.cuda_flavour.cache_clear()
+    try:
+        loaded = cutlass.runtime.find_runtime_libraries(enable_tvm_ffi=False)
+        assert keymod.cuda_flavour() in Path(loaded[0]).parts
+        keymod.cuda_flavour.cache_clear()
+        fake = "/x/site-packages/nvidia_cutlass_dsl/cu12/lib/libcute_dsl_runtime.so"
+        monkeypatch.setattr(cutlass.runtime, "find_runtime_libraries", lambda **kw: [fake])
+        assert keymod.cuda_flavour() == "cu12"
+    finally:
+        keymod.cuda_flavour.cache_clear()
+
+
+def test_non_static_arguments_are_rejected(cache_env):
+    with pytest.raises(TypeError, match="'dtype'"):
+        _key(dtype=torch.float16)
+
+
+def test_function_prefix_is_unique_per_key():
+    assert keymod.function_prefix("rms-norm", "ab" * 16) == "quack_rms_norm_" + "ab" * 8
+    assert keymod.function_prefix("f", "1" * 32) != keymod.function_prefix("f", "2" * 32)
+
+
+def test_key_is_json_roundtrip_stable(cache_env):
+    key = _key(n=64, t=(1.5, None, True))
+    assert json.loads(json.dumps(key)) == key

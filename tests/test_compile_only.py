@@ -1,0 +1,113 @@
+"""compile_only_mode, the live read-only quack.cache.COMPILE_ONLY, and scalar sentinels."""
+
+import asyncio
+import threading
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensor
+
+import quack.cache
+from quack.cache import _COMPILE_ONLY_DEPTH
+from quack.compile_only import CompileOnlyFakeTensorMode, compile_only_mode, is_compile_only
+
+
+def test_compile_only_is_live():
+    assert quack.cache.COMPILE_ONLY is False and not is_compile_only()
+    with compile_only_mode():
+        assert quack.cache.COMPILE_ONLY is True and is_compile_only()
+    assert quack.cache.COMPILE_ONLY is False
+
+
+def test_compile_only_cannot_be_assigned_or_deleted():
+    with pytest.raises(AttributeError, match="read-only"):
+        quack.cache.COMPILE_ONLY = True
+    with pytest.raises(AttributeError):
+        del quack.cache.COMPILE_ONLY
+    assert quack.cache.COMPILE_ONLY is False
+    quack.cache.some_other_name = 1  # other attributes stay assignable
+    del quack.cache.some_other_name
+
+
+def test_nesting_restores_exact_depth():
+    with compile_only_mode():
+        assert _COMPILE_ONLY_DEPTH.get() == 1
+        with compile_only_mode():
+            assert _COMPILE_ONLY_DEPTH.get() == 2
+        assert _COMPILE_ONLY_DEPTH.get() == 1 and is_compile_only()
+    assert _COMPILE_ONLY_DEPTH.get() == 0
+
+
+def test_exception_restores_prior_depth_and_real_tensors():
+    token = _COMPILE_ONLY_DEPTH.set(3)  # a manual outer push
+    try:
+        with pytest.raises(ValueError):
+            with compile_only_mode():
+                with compile_only_mode():
+                    assert _COMPILE_ONLY_DEPTH.get() == 5
+                    raise ValueError
+        assert _COMPILE_ONLY_DEPTH.get() == 3
+    finally:
+        _COMPILE_ONLY_DEPTH.reset(token)
+    assert not is_compile_only()
+    assert not isinstance(torch.ones(2), FakeTensor)
+
+
+def test_depth_is_per_thread():
+    seen = {}
+
+    def other():
+        seen["before"] = is_compile_only()
+        with compile_only_mode():
+            seen["inside"] = is_compile_only()
+
+    with compile_only_mode():
+        thread = threading.Thread(target=other)
+        thread.start()
+        thread.join()
+        assert is_compile_only()
+    assert seen == {"before": False, "inside": True}
+    assert not is_compile_only()
+
+
+def test_depth_is_per_asyncio_task():
+    async def warming(entered, release):
+        with compile_only_mode():
+            entered.set()
+            await release.wait()
+            return is_compile_only()
+
+    async def observing(entered, release):
+        await entered.wait()
+        seen = is_compile_only()  # another task: no tensors made here (see module docs)
+        release.set()
+        return seen
+
+    async def main():
+        entered, release = asyncio.Event(), asyncio.Event()
+        return await asyncio.gather(warming(entered, release), observing(entered, release))
+
+    assert asyncio.run(main()) == [True, False]
+
+
+def test_scalar_reads_return_sentinels():
+    with compile_only_mode():
+        ints = torch.randint(0, 10, (4,), device="cuda")
+        floats = torch.randn(4, device="cuda")
+        assert isinstance(ints, FakeTensor) and ints.device.type == "cuda"
+        assert ints.sum().item() == 1 and isinstance(ints.sum().item(), int)
+        assert floats.mean().item() == 1.0 and isinstance(floats.mean().item(), float)
+        assert ints.tolist() == [1, 1, 1, 1]
+        # int()/float() on a *cuda* fake tensor needs a CUDA build of torch; use CPU ones.
+        cpu = torch.ones(3)
+        assert int(cpu.sum()) == 1 and float(cpu.sum()) == 1.0
+        total_m = ints.sum().item()
+        assert torch.empty(total_m * 2, 8, device="cuda").shape == (2, 8)
+
+
+def test_fake_mode_kwargs_pass_through():
+    mode = CompileOnlyFakeTensorMode(allow_non_fake_inputs=True)
+    assert mode.fake_mode.allow_non_fake_inputs
+    real = torch.ones(3)
+    with mode:
+        assert (real + 1).shape == (3,)

@@ -1,0 +1,73 @@
+"""RMSNorm input validation: clear errors before any launch (no GPU needed)."""
+
+import pytest
+import torch
+
+import quack
+from quack.compile_only import compile_only_mode
+
+
+def _cuda(*shape, dtype=torch.bfloat16):
+    return torch.empty(*shape, device="cuda", dtype=dtype)
+
+
+@pytest.fixture
+def fake():
+    """Fake CUDA tensors: validation runs before anything touches a device."""
+    with compile_only_mode():
+        yield
+
+
+def test_wrong_dtype(fake):
+    with pytest.raises(TypeError, match="dtype int32"):
+        quack.rmsnorm(_cuda(4, 8, dtype=torch.int32))
+
+
+def test_weight_dtype_must_be_fp32_or_input_dtype(fake):
+    with pytest.raises(TypeError, match="weight has dtype float16"):
+        quack.rmsnorm(_cuda(4, 8), _cuda(8, dtype=torch.float16))
+
+
+def test_cpu_tensor_rejected():
+    with pytest.raises(ValueError, match="CUDA device"):
+        quack.rmsnorm(torch.randn(4, 8))
+
+
+def test_non_contiguous(fake):
+    with pytest.raises(ValueError, match="contiguous"):
+        quack.rmsnorm(_cuda(8, 4).t())
+
+
+def test_weight_shape(fake):
+    with pytest.raises(ValueError, match=r"weight must have shape \(8,\)"):
+        quack.rmsnorm(_cuda(4, 8), _cuda(9))
+
+
+def test_residual_shape_and_dtype(fake):
+    with pytest.raises(ValueError, match="residual shape"):
+        quack.rmsnorm(_cuda(4, 8), residual=_cuda(4, 9))
+    with pytest.raises(TypeError, match="residual has dtype float32"):
+        quack.rmsnorm(_cuda(4, 8), residual=_cuda(4, 8, dtype=torch.float32))
+
+
+def test_too_long_and_empty_rows(fake):
+    with pytest.raises(ValueError, match="larger than the supported"):
+        quack.rmsnorm(_cuda(1, 262145))
+    with pytest.raises(ValueError, match="N >= 1"):
+        quack.rmsnorm(_cuda(4, 0))
+
+
+def test_not_a_tensor():
+    with pytest.raises(TypeError, match="torch.Tensor"):
+        quack.rmsnorm([1.0, 2.0])
+
+
+def test_vector_width_follows_n_and_alignment():
+    from quack.rowwise import vector_width
+
+    assert vector_width(4096, 2, 0, 256) == 8  # 16-byte vectors
+    assert vector_width(4097, 2, 0) == 1  # odd N: element copies
+    assert vector_width(1026, 2, 0) == 2
+    assert vector_width(4096, 2, 2) == 1  # a view 1 element into its storage
+    assert vector_width(4096, 2, 8) == 4
+    assert vector_width(4096, 4, 0) == 4

@@ -1,0 +1,96 @@
+"""Shared benchmark harness for the memory-bound kernel families (GPU only).
+
+Each family script gives a list of cases (name, shape, callables for ours,
+torch eager and torch.compile, bytes moved); the harness times them with
+``triton.testing.do_bench`` (median, L2 flushed between runs), measures a
+device-to-device copy of at least 1 GiB in the same process as the reference,
+prints a table and writes a PNG plot.  Bytes are counted as ARCHITECTURE.md's
+"Measuring bandwidth" says: tensors that must be read plus written, once each.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+
+@dataclass
+class Case:
+    label: str  # e.g. "fwd 32768x4096"
+    bytes_moved: int
+    impls: dict[str, Callable[[], object]]  # name -> zero-argument launcher
+
+
+def _bench_ms(fn: Callable[[], object]) -> float:
+    from triton.testing import do_bench
+
+    return do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def copy_bandwidth(gib: float = 1.0) -> float:
+    """TB/s of a device-to-device copy, counted as bytes read + bytes written."""
+    n = int(gib * (1 << 30))
+    src = torch.empty(n, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = _bench_ms(lambda: dst.copy_(src))
+    return 2 * n / (ms * 1e-3) / 1e12
+
+
+def run(title: str, cases: list[Case], plot_path: str | None) -> list[dict]:
+    copy_tbs = copy_bandwidth()
+    rows = []
+    print(f"\n{title} (copy reference: {copy_tbs:.2f} TB/s)")
+    names = list(cases[0].impls)
+    header = f"{'case':<26}" + "".join(f"{n + ' TB/s':>18}{'%copy':>7}" for n in names)
+    print(header)
+    print("-" * len(header))
+    for case in cases:
+        line = f"{case.label:<26}"
+        row = {"case": case.label}
+        for name, fn in case.impls.items():
+            try:
+                tbs = case.bytes_moved / (_bench_ms(fn) * 1e-3) / 1e12
+            except Exception as exc:  # a reference that fails (e.g. compile) is reported, not fatal
+                print(f"  {name} failed on {case.label}: {type(exc).__name__}: {exc}")
+                tbs = float("nan")
+            row[name] = tbs
+            line += f"{tbs:>18.2f}{100 * tbs / copy_tbs:>6.0f}%"
+        rows.append(row)
+        print(line)
+    if plot_path:
+        _plot(title, rows, names, copy_tbs, plot_path)
+    return rows
+
+
+def _plot(title, rows, names, copy_tbs, path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    width = 0.8 / len(names)
+    for i, name in enumerate(names):
+        ax.bar([j + i * width for j in range(len(rows))], [r[name] for r in rows], width, label=name)
+    ax.axhline(copy_tbs, color="k", linestyle="--", linewidth=1, label="D2D copy")
+    ax.set_xticks([j + width * (len(names) - 1) / 2 for j in range(len(rows))])
+    ax.set_xticklabels([r["case"] for r in rows], rotation=20, ha="right", fontsize=8)
+    ax.set_ylabel("TB/s")
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"plot written to {path}")
+
+
+def parse_args(default_plot: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--plot", default=default_plot, help="PNG path ('' for none)")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    return parser.parse_args()
+
+
+STANDARD_SHAPES = [(32768, 4096), (16384, 16384), (8192, 65536), (4096, 262144)]

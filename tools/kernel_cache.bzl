@@ -1,0 +1,138 @@
+"""Kernel object caches as Bazel outputs.
+
+`kernel_cache` runs `tools/warm_cache.py` in compile-only mode (no GPU) for one kernel family, in
+one action whose output is one directory:
+
+    <out>/<family>/<hash>.o, <hash>.json    the exported objects and their sidecars
+    <out>/manifest.json                      sorted, deterministic
+
+The action's inputs are exactly: the family's module and the modules shared by every family
+(never another family's module, so editing one family reruns that family's action only), the
+family's tests, the production configuration manifest, the warm_cache script, the lock and the
+pinned interpreter (whose shim names the lock's digest). Its outputs are byte-identical across
+clean builds, output bases and checkout folders, so any Bazel cache shares them.
+
+`kernel_cache_set` is the union of several `kernel_cache` targets: its files are their
+directories plus `<name>.dirs`, one runfiles path per line (what QUACK_CACHE_PATH lists).
+
+Both are normally created through `kernel_caches` (one call in quack/BUILD.bazel).
+"""
+
+load("//tools:kernel_families.bzl", "KERNEL_FAMILIES")
+
+KernelCacheInfo = provider(
+    doc = "Directories of exported kernel objects, one per kernel family.",
+    fields = {"dirs": "depset of directory Files"},
+)
+
+_PY_TOOLCHAIN = "@bazel_tools//tools/python:toolchain_type"
+
+def _kernel_cache_impl(ctx):
+    out = ctx.actions.declare_directory(ctx.attr.name)
+    runtime = ctx.toolchains[_PY_TOOLCHAIN].py3_runtime
+    if not runtime.interpreter:
+        fail("kernel_cache needs a Python toolchain with an in-build interpreter (@quack_python)")
+
+    args = ctx.actions.args()
+    args.add(ctx.file.warm_cache)
+    args.add(out.path, format = "--out=%s")
+    args.add(ctx.attr.family, format = "--family=%s")
+    args.add_all(ctx.files.tests, format_each = "--tests=%s")
+    args.add(ctx.file.configs, format = "--configs=%s")
+
+    ctx.actions.run(
+        executable = runtime.interpreter,
+        arguments = [args],
+        inputs = depset(
+            ctx.files.srcs + ctx.files.tests + ctx.files.data +
+            [ctx.file.warm_cache, ctx.file.configs, ctx.file.lock],
+            transitive = [runtime.files],
+        ),
+        outputs = [out],
+        env = {
+            "CUTE_DSL_DISABLE_FILE_CACHING": "1",  # no IR cache outside the declared inputs
+            "PYTHONDONTWRITEBYTECODE": "1",
+            "PYTHONHASHSEED": "0",
+            "PYTHONPATH": ".",  # the execroot: `import quack`
+            "QUACK_ARCH": ctx.attr.arch,
+            "QUACK_REQUIRE_PINNED_ENV": "1",
+        },
+        mnemonic = "QuackWarmCache",
+        progress_message = "Compiling %s kernels for %s into %%{output}" % (ctx.attr.family, ctx.attr.arch),
+    )
+    return [
+        DefaultInfo(files = depset([out]), runfiles = ctx.runfiles(files = [out])),
+        KernelCacheInfo(dirs = depset([out])),
+    ]
+
+kernel_cache = rule(
+    implementation = _kernel_cache_impl,
+    doc = "One kernel family's objects, compiled without a GPU by tools/warm_cache.py.",
+    attrs = {
+        "arch": attr.string(default = "sm_90a", doc = "GPU arch the objects are compiled for."),
+        "configs": attr.label(mandatory = True, allow_single_file = [".json"], doc = "Production configuration manifest."),
+        "data": attr.label_list(allow_files = True, doc = "Other inputs the run reads (pytest configuration)."),
+        "family": attr.string(mandatory = True, doc = "Kernel family (module quack/<family>.py)."),
+        "lock": attr.label(mandatory = True, allow_single_file = True, doc = "The Python lock file."),
+        "srcs": attr.label_list(mandatory = True, allow_files = [".py"], doc = "The family's module plus the shared modules."),
+        "tests": attr.label_list(allow_files = [".py"], doc = "Test files that warm the family."),
+        "warm_cache": attr.label(mandatory = True, allow_single_file = [".py"], doc = "tools/warm_cache.py."),
+    },
+    toolchains = [_PY_TOOLCHAIN],
+)
+
+def _kernel_cache_set_impl(ctx):
+    dirs = depset(transitive = [dep[KernelCacheInfo].dirs for dep in ctx.attr.caches])
+    listing = ctx.actions.declare_file(ctx.attr.name + ".dirs")
+    ctx.actions.write(listing, "".join([d.short_path + "\n" for d in dirs.to_list()]))
+    files = depset([listing], transitive = [dirs])
+    return [
+        DefaultInfo(files = files, runfiles = ctx.runfiles(transitive_files = files)),
+        KernelCacheInfo(dirs = dirs),
+    ]
+
+kernel_cache_set = rule(
+    implementation = _kernel_cache_set_impl,
+    doc = "The union of kernel caches, plus a <name>.dirs listing of their runfiles paths.",
+    attrs = {
+        "caches": attr.label_list(mandatory = True, providers = [KernelCacheInfo]),
+    },
+)
+
+def kernel_caches(*, name, families = KERNEL_FAMILIES, shared_srcs, family_srcs, tests, configs, lock, warm_cache, data = [], arch = "sm_90a"):
+    """One `kernel_cache` per family, `<name>_<family>`, and their union `<name>`.
+
+    Args:
+      name: name of the union target (a `kernel_cache_set`).
+      families: kernel families; default: KERNEL_FAMILIES (tools/kernel_families.bzl).
+      shared_srcs: modules every family may import (the package without any family module).
+      family_srcs: dict family -> label of its module.
+      tests: dict family -> list of test file labels that warm it.
+      configs: the production configuration manifest.
+      lock: the Python lock file (a declared input: a lock change recompiles everything).
+      warm_cache: tools/warm_cache.py.
+      data: other files each run reads (pytest configuration).
+      arch: GPU arch, default sm_90a.
+    """
+    if not families:
+        fail("kernel_caches(name = %r): no kernel families" % name)
+    for family in families:
+        if family not in family_srcs:
+            fail("kernel_caches(name = %r): family %r has no entry in family_srcs" % (name, family))
+        if not tests.get(family):
+            fail("kernel_caches(name = %r): family %r has no tests to warm it" % (name, family))
+        kernel_cache(
+            name = "%s_%s" % (name, family),
+            arch = arch,
+            configs = configs,
+            data = data,
+            family = family,
+            lock = lock,
+            srcs = shared_srcs + [family_srcs[family]],
+            tests = tests[family],
+            warm_cache = warm_cache,
+        )
+    kernel_cache_set(
+        name = name,
+        caches = [":%s_%s" % (name, family) for family in families],
+    )
