@@ -149,34 +149,34 @@ def _validate(x, weight, residual) -> None:
 def rmsnorm_fwd(x, weight=None, residual=None, eps=1e-6):
     """Allocate outputs and run the forward op: returns (y, x + residual or None, rstd)."""
     n = x.shape[-1]
-    x2 = x.reshape(-1, n)
-    res2 = residual.reshape(-1, n) if residual is not None else None
-    out = torch.empty_like(x2)
-    residual_out = torch.empty_like(x2) if residual is not None else None
+    x2 = ti.as_rows(x, n)
+    res2 = ti.as_rows(residual, n) if residual is not None else None
+    out = ti.as_rows(torch.empty_like(x), n)
+    residual_out = ti.as_rows(torch.empty_like(x), n) if residual is not None else None
     rstd = torch.empty(x2.shape[0], device=x.device, dtype=torch.float32)
     if x2.shape[0] > 0:
         _rmsnorm_fwd(x2, weight, res2, out, residual_out, rstd, eps)
-    h = residual_out.view(x.shape) if residual_out is not None else None
-    return out.view(x.shape), h, rstd
+    h = residual_out.reshape(x.shape) if residual_out is not None else None
+    return out.reshape(x.shape), h, rstd
 
 
 def rmsnorm_bwd(h, weight, dy, rstd, dh_out=None):
     """Allocate gradients and run the backward op: returns (dh, dweight or None)."""
     n = h.shape[-1]
-    h2, dy2 = h.reshape(-1, n), dy.contiguous().reshape(-1, n)
-    dh2 = dh_out.contiguous().reshape(-1, n) if dh_out is not None else None
+    h2, dy2 = ti.as_rows(h, n), ti.as_rows(dy.contiguous(), n)
+    dh2 = ti.as_rows(dh_out.contiguous(), n) if dh_out is not None else None
     m = h2.shape[0]
     cfg = RowConfig.for_row(n, _vec(n, h2, weight, dy2))
     clusters = ti.sm_count(h.device.index or 0) * max(1, 1024 // cfg.threads) // cfg.cluster_n
     num_ctas = max(1, min(math.ceil(m / cfg.rows_per_cta), clusters))
-    dx = torch.empty_like(h2)
+    dx = ti.as_rows(torch.empty_like(h), n)
     dw_partial = None
     if weight is not None:
         dw_partial = torch.zeros(num_ctas * cfg.rows_per_cta, n, device=h.device, dtype=torch.float32)
     if m > 0:
         _rmsnorm_bwd(h2, weight, dy2, dh2, rstd, dx, dw_partial, num_ctas)
     dw = dw_partial.sum(0).to(weight.dtype) if weight is not None else None
-    return dx.view(h.shape), dw
+    return dx.reshape(h.shape), dw
 
 
 class _RMSNormFunction(torch.autograd.Function):

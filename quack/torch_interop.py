@@ -55,6 +55,18 @@ def current_stream():
     return cuda.CUstream(torch.cuda.current_stream().cuda_stream)
 
 
+def as_rows(t: torch.Tensor, n: int) -> torch.Tensor:
+    """View a contiguous (..., N) tensor as (M, N).
+
+    A (1, 1) view has two unit strides, from which CuTe cannot tell the
+    leading dimension; giving its (never used) row stride the value 2 keeps
+    the layout unambiguous without copying."""
+    rows = t.reshape(-1, n)
+    if rows.shape == (1, 1):
+        rows = rows.as_strided((1, 1), (2, 1))
+    return rows
+
+
 def check_float(name: str, t: torch.Tensor, allowed=FLOAT_DTYPES) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")

@@ -23,8 +23,10 @@ _FAKE_PACKAGE = {
     "deep.py": "depth = 2\n",
     "util.py": "U = 1\n",
     "lazy.py": "L = 1\n",
-    "cache/__init__.py": "C = 1\n",
+    "cache/__init__.py": "jit_cache = None\n",
     "testing/plugin.py": "from .. import rmsnorm\n",
+    "ops/__init__.py": "",
+    "ops/norm.py": "from ..base import Reduce\n",
 }
 
 
@@ -156,3 +158,24 @@ def test_function_prefix_is_unique_per_key():
 def test_key_is_json_roundtrip_stable(cache_env):
     key = _key(n=64, t=(1.5, None, True))
     assert json.loads(json.dumps(key)) == key
+
+
+def test_symlinked_checkout_hashes_like_the_real_one(tmp_path, monkeypatch):
+    """Bazel runfiles: every file a symlink into the source tree, same key."""
+    from quack.cache.source_hash import module_source_hash
+
+    real = _write_package(tmp_path / "real")
+    runfiles = tmp_path / "runfiles" / "fakeq"
+    for path in real.rglob("*.py"):
+        link = runfiles / path.relative_to(real)
+        link.parent.mkdir(parents=True, exist_ok=True)
+        link.symlink_to(path)
+    hashes = []
+    for root in (real.parent, runfiles.parent):
+        monkeypatch.syspath_prepend(str(root))
+        for name in [m for m in sys.modules if m == "fakeq" or m.startswith("fakeq.")]:
+            monkeypatch.delitem(sys.modules, name)
+        module_source_hash.cache_clear()
+        hashes.append(module_source_hash("fakeq.ops.norm"))
+    module_source_hash.cache_clear()
+    assert hashes[0] == hashes[1] == package_source_hash(real / "ops" / "norm.py", real, "fakeq")

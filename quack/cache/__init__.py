@@ -34,6 +34,7 @@ __all__ = [
     "KernelHandle",
     "clear",
     "compile_options",
+    "current_arch",
     "jit_cache",
     "stats",
 ]

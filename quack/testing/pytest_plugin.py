@@ -110,6 +110,22 @@ def pytest_runtest_call(item: pytest.Item):
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config: pytest.Config) -> None:
+    _report_cache_stats(terminalreporter)
+    _report_warmed(terminalreporter, config)
+
+
+def _report_cache_stats(tr) -> None:
+    """One line of kernel cache counters (hits per layer, compiles) when kernels ran."""
+    import sys
+
+    if "quack.cache" not in sys.modules:
+        return
+    s = sys.modules["quack.cache"].stats()
+    if s["compiles"] or s["hits"] or s["misses"]:
+        tr.write_line(f"quack kernel cache: {s}")
+
+
+def _report_warmed(terminalreporter, config: pytest.Config) -> None:
     warmed = config.stash.get(_WARMED_KEY, {})
     if not _compile_only(config) or not warmed:
         return

@@ -46,8 +46,8 @@ def cases(dtype: torch.dtype) -> list[Case]:
         y_comp = compiled_fwd(xg, wg)
         out.append(Case(f"bwd {m}x{n}", 3 * m * n * size, {
             "quack": lambda x=x, w=w, dy=dy, rstd=rstd: rmsnorm_bwd(x, w, dy, rstd),
-            "torch": lambda y=y_eager, dy=dy: torch.autograd.grad(y, (xg, wg), dy, retain_graph=True),
-            "torch.compile": lambda y=y_comp, dy=dy: torch.autograd.grad(y, (xg, wg), dy, retain_graph=True),
+            "torch": lambda y=y_eager, dy=dy, i=(xg, wg): torch.autograd.grad(y, i, dy, retain_graph=True),
+            "torch.compile": lambda y=y_comp, dy=dy, i=(xg, wg): torch.autograd.grad(y, i, dy, retain_graph=True),
         }))
     return out
 

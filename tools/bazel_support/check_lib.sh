@@ -1,0 +1,77 @@
+# Shared by tools/check_bazel_*.sh (sourced). Each check works on throwaway copies of the checkout
+# (tracked and untracked-but-not-ignored files) with their own output bases under one temp folder,
+# so the developer's bazel-bin/ and output base are never touched; every Bazel server it starts is
+# shut down and the folder removed on exit.
+
+set -euo pipefail
+ws=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd -P)
+work=$(mktemp -d "${TMPDIR:-/tmp}/quack-bazel-check.XXXXXX")
+servers=()
+
+log() { printf '\n== %s\n' "$*" >&2; }
+fail() { printf 'FAIL: %s\n' "$*" >&2; exit 1; }
+
+cleanup() {
+  local rc=$? s
+  for s in ${servers[@]+"${servers[@]}"}; do
+    (cd "${s%%|*}" && tools/bazel --output_base="${s##*|}" shutdown >/dev/null 2>&1) || true
+  done
+  chmod -R u+w "$work" 2>/dev/null || true
+  rm -rf "$work"
+  exit "$rc"
+}
+trap cleanup EXIT
+
+# copy_checkout DEST: a copy of the checkout's files (what a fresh clone plus local edits holds).
+copy_checkout() {
+  local dest=$1
+  mkdir -p "$dest"
+  (cd "$ws" && git ls-files -z -c -o --exclude-standard |
+    while IFS= read -r -d '' f; do [[ -e "$f" ]] && printf '%s\0' "$f"; done |
+    xargs -0 cp -a --parents -t "$dest")
+}
+
+# bzl CHECKOUT OUTPUT_BASE ARGS...: Bazel in CHECKOUT with its own output base and no disk or
+# remote cache (so every action that is not up to date really runs).
+bzl() {
+  local checkout=$1 base=$2
+  shift 2
+  servers+=("$checkout|$base")
+  (cd "$checkout" && tools/bazel --output_base="$base" --max_idle_secs=600 "$@")
+}
+NOCACHE=(--disk_cache= --noremote_accept_cached --noremote_upload_local_results)
+
+# tree_digest DIR...: one line per file: sha256 and path relative to its directory.
+tree_digest() {
+  local d
+  for d in "$@"; do
+    (cd "$d" && find . -type f -print0 | LC_ALL=C sort -z | xargs -0 sha256sum |
+      sed "s|  \./|  $(basename "$d")/|")
+  done
+}
+
+# warm_cache_dirs CHECKOUT OUTPUT_BASE: the directories of //quack:warm_cache, one a line.
+warm_cache_dirs() {
+  local bin
+  bin=$(bzl "$1" "$2" info bazel-bin 2>/dev/null)
+  sed "s|^|$bin/|" "$bin/quack/warm_cache.dirs"
+}
+
+# count_runs EXEC_LOG MNEMONIC: how many spawns of MNEMONIC ran (not cache hits) per the JSON
+# execution log; prints "count: target labels...".
+count_runs() {
+  python3 - "$1" "$2" <<'PY'
+import json, sys
+text, mnemonic = open(sys.argv[1]).read(), sys.argv[2]
+dec, pos, runs = json.JSONDecoder(), 0, []
+while pos < len(text):
+    while pos < len(text) and text[pos].isspace():
+        pos += 1
+    if pos >= len(text):
+        break
+    spawn, pos = dec.raw_decode(text, pos)
+    if spawn.get("mnemonic") == mnemonic and not spawn.get("cacheHit"):
+        runs.append(spawn.get("targetLabel", "?"))
+print("%d: %s" % (len(runs), " ".join(sorted(runs))))
+PY
+}

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Checks that //quack:warm_cache is deterministic: built in two checkout folders (different paths
+# and folder names), each with a fresh output base and no disk or remote cache, and once more in
+# WORKSPACE mode (--config=workspace), every kernel object, sidecar and manifest is byte-identical.
+# Usage: tools/check_bazel_determinism.sh   (exit 0 when identical)
+source "$(dirname "${BASH_SOURCE[0]}")/bazel_support/check_lib.sh"
+
+a=$work/a/quack
+b=$work/b/elsewhere
+copy_checkout "$a"
+copy_checkout "$b"
+
+log "build 1: $a (Bzlmod, fresh output base)"
+bzl "$a" "$work/base-a" build "${NOCACHE[@]}" //quack:warm_cache
+log "build 2: $b (Bzlmod, fresh output base)"
+bzl "$b" "$work/base-b" build "${NOCACHE[@]}" //quack:warm_cache
+log "build 3: $b (WORKSPACE mode, fresh output base)"
+bzl "$b" "$work/base-w" build --config=workspace "${NOCACHE[@]}" //quack:warm_cache
+
+mapfile -t dirs_a < <(warm_cache_dirs "$a" "$work/base-a")
+mapfile -t dirs_b < <(warm_cache_dirs "$b" "$work/base-b")
+mapfile -t dirs_w < <(bzl "$b" "$work/base-w" info --config=workspace bazel-bin 2>/dev/null |
+  xargs -I{} sed "s|^|{}/|" "{}/quack/warm_cache.dirs")
+tree_digest "${dirs_a[@]}" >"$work/a.sha256"
+tree_digest "${dirs_b[@]}" >"$work/b.sha256"
+tree_digest "${dirs_w[@]}" >"$work/w.sha256"
+
+objects=$(grep -c '\.o$' "$work/a.sha256" || true)
+((objects > 0)) || fail "the warm_cache outputs hold no .o files"
+diff -u "$work/a.sha256" "$work/b.sha256" || fail "checkout folders differ (above)"
+diff -u "$work/a.sha256" "$work/w.sha256" || fail "WORKSPACE mode differs from Bzlmod (above)"
+log "OK: $(wc -l <"$work/a.sha256") files ($objects objects) byte-identical across 2 checkouts, 3 output bases, Bzlmod and WORKSPACE"
