@@ -106,7 +106,7 @@ def kernel_caches(*, name, families = KERNEL_FAMILIES, shared_srcs, family_srcs,
       name: name of the union target (a `kernel_cache_set`).
       families: kernel families; default: KERNEL_FAMILIES (tools/kernel_families.bzl).
       shared_srcs: modules every family may import (the package without any family module).
-      family_srcs: dict family -> label of its module.
+      family_srcs: dict family -> list of its own modules (quack/<family>.py, quack/<family>_*.py).
       tests: dict family -> list of test file labels that warm it.
       configs: the production configuration manifest.
       lock: the Python lock file (a declared input: a lock change recompiles everything).
@@ -128,7 +128,7 @@ def kernel_caches(*, name, families = KERNEL_FAMILIES, shared_srcs, family_srcs,
             data = data,
             family = family,
             lock = lock,
-            srcs = shared_srcs + [family_srcs[family]],
+            srcs = shared_srcs + family_srcs[family],
             tests = tests[family],
             warm_cache = warm_cache,
         )
