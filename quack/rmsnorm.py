@@ -94,7 +94,7 @@ def _rmsnorm_fwd(
         n,
         vec,
     )
-    kernel(x, weight, residual, out, residual_out, rstd, Float32(eps), ti.current_stream())
+    kernel(x, weight, residual, out, residual_out, rstd, eps, ti.current_stream(x.device))
 
 
 @cute_op("quack::rmsnorm_bwd", mutates_args=("dx", "dw_partial"))
@@ -118,7 +118,7 @@ def _rmsnorm_bwd(
         n,
         vec,
     )
-    kernel(x, weight, dy, dh_out, rstd, dx, dw_partial, Int32(num_ctas), ti.current_stream())
+    kernel(x, weight, dy, dh_out, rstd, dx, dw_partial, num_ctas, ti.current_stream(x.device))
 
 
 def _validate(x, weight, residual) -> None:
@@ -182,6 +182,8 @@ def rmsnorm_bwd(h, weight, dy, rstd, dh_out=None):
 class _RMSNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, residual, eps):
+        # Kernels take plain tensors (DLPack refuses ones that require grad).
+        x, weight, residual = (t.detach() if t is not None else None for t in (x, weight, residual))
         y, h, rstd = rmsnorm_fwd(x, weight, residual, eps)
         ctx.has_residual = residual is not None
         ctx.save_for_backward(h if h is not None else x, weight, rstd)

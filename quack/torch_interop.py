@@ -46,13 +46,12 @@ def sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def current_stream():
-    """The CUDA stream torch is using, in the form CuTe launches take (None under compile-only)."""
+def current_stream(device: torch.device) -> int:
+    """The raw handle of torch's current CUDA stream on ``device`` (0 under
+    compile-only, where nothing launches)."""
     if is_compile_only():
-        return None
-    import cuda.bindings.driver as cuda
-
-    return cuda.CUstream(torch.cuda.current_stream().cuda_stream)
+        return 0
+    return torch._C._cuda_getCurrentRawStream(device.index if device.index is not None else 0)
 
 
 def as_rows(t: torch.Tensor, n: int) -> torch.Tensor:

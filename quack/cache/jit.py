@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import functools
 import inspect
+import json
+import os
 import logging
 import threading
 import time
@@ -24,6 +26,7 @@ from .config import CacheConfig, read_config
 from .errors import CacheError, CacheMissError
 from .handle import KernelHandle, _noop_kernel
 from .key import function_prefix, key_hash, object_key
+from .launcher import FastLauncher
 from .mode import compile_only_active
 from .source_hash import module_source_hash
 from .store import Layer, key_lock, remove_entries, verify_entry, write_entry
@@ -34,6 +37,10 @@ _MEMORY: dict[str, KernelHandle] = {}  # keyhash -> loaded or freshly compiled h
 _ENSURED: set[tuple[Path, str]] = set()  # (writable root, keyhash) known on disk, compile-only
 _WARNED: set[tuple[str, str, str]] = set()  # (layer, keyhash, problem) already logged
 _LOCK = threading.Lock()
+# (compile function, args, kwargs, QUACK_ARCH) -> handle: the per-call fast path.
+# Binding the signature and hashing the key costs tens of microseconds; a
+# kernel launch must not pay that on every call.
+_RECENT: dict[tuple, KernelHandle] = {}
 
 
 @dataclass(frozen=True)
@@ -71,9 +78,18 @@ def jit_cache(family: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]
 
         @functools.wraps(fn)
         def get(*args: Any, **kwargs: Any) -> Callable[..., Any]:
+            recent = (fn, args, tuple(kwargs.items()), os.environ.get("QUACK_ARCH"))
+            handle = _RECENT.get(recent)
+            if handle is not None and not compile_only_active():
+                stats.record_hit("memory")
+                return handle
             bound = signature.bind(*args, **kwargs)
             bound.apply_defaults()
-            return get_kernel(_request(family, fn, bound))
+            handle = get_kernel(_request(family, fn, bound))
+            if isinstance(handle, KernelHandle):
+                with _LOCK:
+                    _RECENT[recent] = handle
+            return handle
 
         return get
 
@@ -159,7 +175,9 @@ def _probe(layer: Layer, req: Request, *, load: bool, report: bool = True) -> Ca
         return _noop_kernel
     start = time.perf_counter()
     try:
-        handle = native.load_object(layer.object_path(req.family, req.keyhash), req.prefix, req.keyhash)
+        handle = native.load_object(
+            layer.object_path(req.family, req.keyhash), req.prefix, req.keyhash, verdict.sidecar["abi"]
+        )
     except Exception as exc:  # any load failure is a miss, never a crash
         if report:
             _report_bad(layer, req, f"load failed ({type(exc).__name__}: {exc})")
@@ -196,7 +214,10 @@ def _compile(req: Request, *, load: bool) -> Callable[..., Any]:
         )
         stats.record("export")
         stats.record_seconds("compile", time.perf_counter() - start)
-    return KernelHandle(compiled, req.keyhash) if load else _noop_kernel
+    if not load:
+        return _noop_kernel
+    abi = json.loads(layer.sidecar_path(req.family, req.keyhash).read_text())["abi"]
+    return KernelHandle(FastLauncher(compiled, abi), req.keyhash)
 
 
 def _report_bad(layer: Layer, req: Request, problem: str) -> None:
@@ -228,6 +249,7 @@ def clear(*, disk: bool = False) -> None:
     """
     with _LOCK:
         _MEMORY.clear()
+        _RECENT.clear()
         _ENSURED.clear()
         _WARNED.clear()
     module_source_hash.cache_clear()

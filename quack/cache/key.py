@@ -22,7 +22,8 @@ from .config import HOST_TARGET
 from .source_hash import module_source_hash
 
 # Bump when the entry layout, sidecar or key schema changes.
-CACHE_FORMAT_VERSION = 1
+# 2: the sidecar records the argument layout (abi) for the fast launcher.
+CACHE_FORMAT_VERSION = 2
 
 _STATIC_SCALARS = (str, int, float, bool, type(None))
 

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from .handle import KernelHandle
+from .launcher import FastLauncher
 
 
 @functools.lru_cache(maxsize=None)
@@ -30,15 +31,16 @@ def export_object(compiled: Any, directory: Path, name: str, prefix: str) -> Non
     compiled.export_to_c(str(directory), name, prefix)
 
 
-def load_object(path: Path, prefix: str, keyhash: str) -> KernelHandle:
+def load_object(path: Path, prefix: str, keyhash: str, abi: list) -> KernelHandle:
     """Load an exported object and wrap its host entry point.
 
     ``load_module`` links the object into a JIT execution engine; indexing the
     module by the export's function prefix decodes the stored signature and
-    returns a ``JitCompiledFunction`` that takes the same runtime arguments as the
-    launcher (torch tensors, scalars, a ``CUstream``).
+    returns a ``JitCompiledFunction``; ``FastLauncher`` calls its entry point
+    directly after the first launch, with the argument layout ``abi`` that the
+    sidecar recorded at export.
     """
     import cutlass.cute as cute
 
     module = cute.runtime.load_module(str(path))
-    return KernelHandle(module[prefix], keyhash, owner=module)
+    return KernelHandle(FastLauncher(module[prefix], abi), keyhash, owner=module)

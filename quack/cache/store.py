@@ -23,6 +23,7 @@ from typing import Any, Callable, Iterator
 
 from .errors import CacheError
 from .key import CACHE_FORMAT_VERSION, canonical_json
+from .launcher import parse_abi
 
 
 @dataclass(frozen=True)
@@ -49,10 +50,10 @@ class Verdict:
 
     state: str
     problem: str = ""
+    sidecar: dict | None = None  # the parsed sidecar of an ``ok`` entry
 
 
 ABSENT = Verdict("absent")
-OK = Verdict("ok")
 
 
 def verify_entry(layer: Layer, family: str, keyhash: str, key: dict[str, Any]) -> Verdict:
@@ -68,7 +69,7 @@ def verify_entry(layer: Layer, family: str, keyhash: str, key: dict[str, Any]) -
         meta = json.loads(side.read_text())
     except (OSError, ValueError) as exc:
         return Verdict("bad", f"sidecar unreadable ({exc})")
-    if not isinstance(meta, dict) or not isinstance(meta.get("key"), dict):
+    if not isinstance(meta, dict) or not isinstance(meta.get("key"), dict) or not isinstance(meta.get("abi"), list):
         return Verdict("bad", "sidecar is not a cache sidecar")
     if meta.get("format") != CACHE_FORMAT_VERSION:
         return Verdict(
@@ -90,7 +91,7 @@ def verify_entry(layer: Layer, family: str, keyhash: str, key: dict[str, Any]) -
         return Verdict("bad", f"object is {len(data)} bytes, sidecar says {meta.get('size')!r} (truncated?)")
     if hashlib.sha256(data).hexdigest() != meta.get("sha256"):
         return Verdict("bad", "object sha256 does not match its sidecar (corrupted?)")
-    return OK
+    return Verdict("ok", sidecar=meta)
 
 
 def write_entry(
@@ -103,7 +104,9 @@ def write_entry(
 ) -> None:
     """Export into a temp dir next to the entry, then ``os.replace`` object and sidecar.
 
-    ``export(directory, name)`` must write ``directory/name.o``. The sidecar goes
+    ``export(directory, name)`` must write ``directory/name.o`` and the C header
+    ``name.h``, whose argument layout the sidecar records for the fast
+    launcher (see launcher.py). The sidecar goes
     last: a reader that sees a new object with an old sidecar finds a sha256
     mismatch (a miss), never a half-written object that passes verification.
     """
@@ -114,6 +117,7 @@ def write_entry(
         export(tmp, keyhash)
         data = (tmp / f"{keyhash}.o").read_bytes()
         sidecar = {
+            "abi": parse_abi((tmp / f"{keyhash}.h").read_text(), prefix),
             "format": CACHE_FORMAT_VERSION,
             "key": key,
             "function_prefix": prefix,

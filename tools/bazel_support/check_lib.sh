@@ -26,6 +26,11 @@ trap cleanup EXIT
 copy_checkout() {
   local dest=$1
   mkdir -p "$dest"
+  if ! git -C "$ws" rev-parse --is-inside-work-tree >/dev/null 2>&1; then
+    (cd "$ws" && find . -mindepth 1 -maxdepth 1 ! -name 'bazel-*' ! -name .git -print0 |
+      xargs -0 cp -a -t "$dest")
+    return
+  fi
   (cd "$ws" && git ls-files -z -c -o --exclude-standard |
     while IFS= read -r -d '' f; do [[ -e "$f" ]] && printf '%s\0' "$f"; done |
     xargs -0 cp -a --parents -t "$dest")

@@ -30,6 +30,20 @@ def runfiles_root():
     return here
 
 
+def real_cache_dir(path):
+    """The folder that really holds a cache directory's files.
+
+    In a sandbox's runfiles tree each file of an output directory is its own symlink into Bazel's
+    output tree, so the folder in runfiles and its files' real paths differ. The cache accepts an
+    entry only if its real path lies inside the layer, so the layer handed to it is the real
+    folder of the directory's manifest. Elsewhere (a zip, remote execution) that is `path` itself.
+    """
+    manifest = os.path.join(path, "manifest.json")
+    if os.path.isfile(manifest):
+        return os.path.dirname(os.path.realpath(manifest))
+    return os.path.realpath(path)
+
+
 def gpu_visible():
     try:
         import torch
@@ -62,7 +76,7 @@ def main(argv):
             "--rootdir=" + root]
     if CONFIG["gpu"]:
         env["QUACK_CACHE_PATH"] = os.pathsep.join(
-            os.path.join(root, d) for d in CONFIG["cache_dirs"])
+            real_cache_dir(os.path.join(root, d)) for d in CONFIG["cache_dirs"])
         env["QUACK_CACHE_STRICT"] = "1"
         mode = env.get("QUACK_TEST_MODE") or ("gpu" if gpu_visible() else "compile-only")
         if mode not in ("gpu", "compile-only"):
