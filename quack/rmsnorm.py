@@ -32,6 +32,13 @@ from quack.rmsnorm_kernels import RMSNormBackward, RMSNormForward
 from quack.rowwise import RowConfig
 
 MAX_N = 262144
+# The backward keeps x, dy and an fp32 dw accumulator per value: half the
+# forward's register budget per thread (64 values spill there).
+BACKWARD_VALUES_PER_THREAD = 32
+
+
+def backward_config(n: int, vec: int) -> RowConfig:
+    return RowConfig.for_row(n, vec, max_values=BACKWARD_VALUES_PER_THREAD)
 
 
 @jit_cache("rmsnorm")
@@ -53,7 +60,7 @@ def compile_rmsnorm_fwd(dtype: str, weight_dtype: Optional[str], has_residual: b
 @jit_cache("rmsnorm")
 def compile_rmsnorm_bwd(dtype: str, weight_dtype: Optional[str], has_dh_out: bool, n: int, vec: int):
     """Compile the backward kernel (dw partials are written whenever a weight is given)."""
-    cfg = RowConfig.for_row(n, vec)
+    cfg = backward_config(n, vec)
     dt = ti.cute_dtype(dtype)
     m = cute.sym_int()
     rows = lambda: rowwise.fake_rows(dt, m, n, vec)  # noqa: E731
@@ -67,11 +74,10 @@ def compile_rmsnorm_bwd(dtype: str, weight_dtype: Optional[str], has_dh_out: boo
     )
 
 
-def _vec(n: int, *tensors: Optional[torch.Tensor]) -> int:
-    """Vector width every tensor of the launch can use."""
-    present = [t for t in tensors if t is not None]
-    widest = max(t.element_size() for t in present)
-    return rowwise.vector_width(n, widest, *(ti.address(t) for t in present))
+def _vec(n: int, x: torch.Tensor, *others: Optional[torch.Tensor]) -> int:
+    """Elements per vector copy of x's rows that every tensor of the launch can use."""
+    present = (x, *(t for t in others if t is not None))
+    return rowwise.vector_width(n, x.element_size(), *((ti.address(t), t.element_size()) for t in present))
 
 
 @cute_op("quack::rmsnorm_fwd", mutates_args=("out", "residual_out", "rstd"))
@@ -110,7 +116,8 @@ def _rmsnorm_bwd(
 ) -> None:
     """Launch the persistent backward kernel over ``num_ctas`` CTAs (clusters)."""
     n = x.shape[1]
-    vec = _vec(n, x, weight, dy, dh_out, dx, dw_partial)
+    # dw_partial is allocated 16-byte aligned: it never narrows the vectors.
+    vec = _vec(n, x, weight, dy, dh_out, dx)
     kernel = compile_rmsnorm_bwd(
         ti.dtype_name(x.dtype),
         ti.dtype_name(weight.dtype) if weight is not None else None,
@@ -166,10 +173,10 @@ def rmsnorm_bwd(h, weight, dy, rstd, dh_out=None):
     h2, dy2 = ti.as_rows(h, n), ti.as_rows(dy.contiguous(), n)
     dh2 = ti.as_rows(dh_out.contiguous(), n) if dh_out is not None else None
     m = h2.shape[0]
-    cfg = RowConfig.for_row(n, _vec(n, h2, weight, dy2))
+    dx = ti.as_rows(torch.empty_like(h), n)
+    cfg = backward_config(n, _vec(n, h2, weight, dy2, dh2, dx))
     clusters = ti.sm_count(h.device.index or 0) * max(1, 1024 // cfg.threads) // cfg.cluster_n
     num_ctas = max(1, min(math.ceil(m / cfg.rows_per_cta), clusters))
-    dx = ti.as_rows(torch.empty_like(h), n)
     dw_partial = None
     if weight is not None:
         dw_partial = torch.zeros(num_ctas * cfg.rows_per_cta, n, device=h.device, dtype=torch.float32)

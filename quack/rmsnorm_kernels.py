@@ -203,18 +203,17 @@ class RMSNormBackward:
         atom_dy = rowwise.vector_atom(mDy.element_type, cfg)
         atom_dx = rowwise.vector_atom(mDx.element_type, cfg)
 
-        # The weight slice is the same for every row tile: load it once.
+        # The weight slice is the same for every row tile.  It is re-read from
+        # L2 each tile rather than held in registers across the loop, which
+        # would leave too few registers for x, dy and the dw accumulator.
         cW = cute.local_tile(cute.make_identity_tensor((m, n)), cfg.tiler, (0, rank))
         tWcW = thr.partition_S(cW)
-        w = None
         if const_expr(mW is not None):
             gW = cute.local_tile(mW, (cfg.cols_per_cta,), (rank,))
             gW2 = cute.make_tensor(gW.iterator, cute.make_layout(cfg.tiler, stride=(0, 1)))
             tXgW = thr.partition_S(gW2)
-            tXrW = cute.make_rmem_tensor_like(tXgW)
             tWpW = rowwise.copy_predicate(tWcW, None, n, check_cols)
-            rowwise.load_row(rowwise.vector_atom(mW.element_type, cfg), tXgW, tXrW, tWpW)
-            w = tXrW.load().to(Float32)
+            atom_w = rowwise.vector_atom(mW.element_type, cfg)
 
         tXrDw = None
         if const_expr(mDwPartial is not None):
@@ -241,7 +240,11 @@ class RMSNormBackward:
                 rstd = mRstd[row]
             x_hat = tXrX.load().to(Float32) * rstd
             dy = tXrDy.load().to(Float32)
-            wdy = dy * w if const_expr(mW is not None) else dy
+            wdy = dy
+            if const_expr(mW is not None):
+                tXrW = cute.make_rmem_tensor_like(tXgW)
+                rowwise.load_row(atom_w, tXgW, tXrW, tWpW)
+                wdy = dy * tXrW.load().to(Float32)
             dot = (x_hat * wdy).reduce(cute.ReductionOp.ADD, Float32(0.0), reduction_profile=0)
             dot = rowwise.row_sum(dot, sRed[None, None, stage], cfg.threads_per_row, cfg.cluster_n)
             dx = (wdy - x_hat * (dot / cfg.n)) * rstd

@@ -33,7 +33,9 @@ import cutlass.cute as cute
 from cutlass import Boolean, Float32, Int32, const_expr
 
 # Registers are the row's home; past this many values per thread the kernels
-# spill, so longer rows are split over a cluster instead.
+# spill, so longer rows are split over a cluster instead.  Kernels that keep
+# more per-value state (a backward pass: x, dy and the weight-gradient
+# accumulator) pass a smaller budget.
 MAX_VALUES_PER_THREAD = 64
 # Hopper allows 16 CTAs per cluster (a non-portable size that the DSL opts into).
 MAX_CLUSTER = 16
@@ -62,8 +64,11 @@ class RowConfig:
     def for_row(n: int, vec: int, max_values: int = MAX_VALUES_PER_THREAD) -> "RowConfig":
         """The heuristic: 128 threads for short rows, 256 beyond 8K columns, and
         threads per row / cluster size grown until a thread holds at most
-        ``max_values`` values."""
+        ``max_values`` values; a row that would need more than 16 CTAs gets
+        wider CTAs (up to 1024 threads) instead."""
         threads = 128 if n <= 8192 else 256
+        while threads < 1024 and n > threads * max_values * MAX_CLUSTER:
+            threads *= 2
         threads_per_row = min(threads, max(8, _next_pow2(math.ceil(n / 32))))
         cluster_n = _next_pow2(math.ceil(n / (threads_per_row * max_values)))
         # A peer CTA must own at least one vector per thread, or two CTAs would
@@ -104,31 +109,35 @@ class RowConfig:
         return self.cols_per_cta * self.cluster_n == self.n
 
 
-def vector_width(n: int, element_bytes: int, *pointers: int) -> int:
-    """Largest vector (in elements, at most 16 bytes) that divides N and keeps
-    every base pointer aligned; 1 for odd N with 16-bit data."""
+def vector_width(n: int, element_bytes: int, *tensors: tuple[int, int]) -> int:
+    """Elements per vector copy: the most (at most 16 bytes of the row's dtype)
+    that divide N and keep every ``(address, element_bytes)`` tensor aligned
+    to its copy size (capped at 16 bytes).  1 for odd N with 16-bit data."""
     vec = math.gcd(n, 16 // element_bytes)
-    for ptr in pointers:
-        while vec > 1 and ptr % (vec * element_bytes):
-            vec //= 2
+    while vec > 1 and any(addr % min(16, vec * size) for addr, size in tensors):
+        vec //= 2
     return vec
 
 
 def fake_rows(dtype, m, n: int, vec: int):
     """A compile-time (M, N) row-major tensor: M symbolic (shared object ``m``),
     row stride a symbolic 64-bit multiple of ``vec``."""
-    width_bytes = dtype.width // 8
     stride = cute.sym_int64(divisibility=vec)
     return cute.runtime.make_fake_tensor(
-        dtype, (m, n), (stride, 1), assumed_align=vec * width_bytes
+        dtype, (m, n), (stride, 1), assumed_align=_copy_bytes(dtype, vec)
     )
 
 
 def fake_vector(dtype, n, align_elems: int = 1):
     """A compile-time contiguous vector of length ``n`` (static or symbolic)."""
     return cute.runtime.make_fake_compact_tensor(
-        dtype, (n,), assumed_align=max(4, align_elems * dtype.width // 8)
+        dtype, (n,), assumed_align=max(4, _copy_bytes(dtype, align_elems))
     )
+
+
+def _copy_bytes(dtype, vec: int) -> int:
+    """Bytes one copy of ``vec`` elements moves; copies never exceed 16 bytes."""
+    return min(16, vec * dtype.width // 8)
 
 
 # --------------------------------------------------------------------------
@@ -137,9 +146,11 @@ def fake_vector(dtype, n, align_elems: int = 1):
 
 
 def vector_atom(dtype, cfg: RowConfig) -> cute.CopyAtom:
-    """Copy atom moving one ``cfg.vec``-element vector of ``dtype``."""
+    """Copy atom for ``dtype`` tensors of the row: one ``cfg.vec``-element
+    vector per copy, or 16-byte pieces of it for wider dtypes (an fp32 weight
+    beside bf16 activations)."""
     return cute.make_copy_atom(
-        cute.nvgpu.CopyUniversalOp(), dtype, num_bits_per_copy=cfg.vec * dtype.width
+        cute.nvgpu.CopyUniversalOp(), dtype, num_bits_per_copy=8 * _copy_bytes(dtype, cfg.vec)
     )
 
 

@@ -65,9 +65,12 @@ def test_not_a_tensor():
 def test_vector_width_follows_n_and_alignment():
     from quack.rowwise import vector_width
 
-    assert vector_width(4096, 2, 0, 256) == 8  # 16-byte vectors
-    assert vector_width(4097, 2, 0) == 1  # odd N: element copies
-    assert vector_width(1026, 2, 0) == 2
-    assert vector_width(4096, 2, 2) == 1  # a view 1 element into its storage
-    assert vector_width(4096, 2, 8) == 4
-    assert vector_width(4096, 4, 0) == 4
+    assert vector_width(4096, 2, (0, 2), (256, 2)) == 8  # 16-byte vectors
+    assert vector_width(4097, 2, (0, 2)) == 1  # odd N: element copies
+    assert vector_width(1026, 2, (0, 2)) == 2
+    assert vector_width(4096, 2, (2, 2)) == 1  # a view 1 element into its storage
+    assert vector_width(4096, 2, (8, 2)) == 4
+    assert vector_width(4096, 4, (0, 4)) == 4
+    # An fp32 weight beside bf16 rows only needs 16-byte alignment.
+    assert vector_width(4096, 2, (0, 2), (16, 4)) == 8
+    assert vector_width(4096, 2, (0, 2), (8, 4)) == 2
