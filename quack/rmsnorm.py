@@ -158,13 +158,13 @@ def rmsnorm_fwd(x, weight=None, residual=None, eps=1e-6):
     n = x.shape[-1]
     x2 = ti.as_rows(x, n)
     res2 = ti.as_rows(residual, n) if residual is not None else None
-    out = ti.as_rows(torch.empty_like(x), n)
-    residual_out = ti.as_rows(torch.empty_like(x), n) if residual is not None else None
+    out = torch.empty_like(x)
+    h = torch.empty_like(x) if residual is not None else None
     rstd = torch.empty(x2.shape[0], device=x.device, dtype=torch.float32)
     if x2.shape[0] > 0:
-        _rmsnorm_fwd(x2, weight, res2, out, residual_out, rstd, eps)
-    h = residual_out.reshape(x.shape) if residual_out is not None else None
-    return out.reshape(x.shape), h, rstd
+        h2 = ti.as_rows(h, n) if h is not None else None
+        _rmsnorm_fwd(x2, weight, res2, ti.as_rows(out, n), h2, rstd, eps)
+    return out, h, rstd
 
 
 def rmsnorm_bwd(h, weight, dy, rstd, dh_out=None):
@@ -173,17 +173,18 @@ def rmsnorm_bwd(h, weight, dy, rstd, dh_out=None):
     h2, dy2 = ti.as_rows(h, n), ti.as_rows(dy.contiguous(), n)
     dh2 = ti.as_rows(dh_out.contiguous(), n) if dh_out is not None else None
     m = h2.shape[0]
-    dx = ti.as_rows(torch.empty_like(h), n)
-    cfg = backward_config(n, _vec(n, h2, weight, dy2, dh2, dx))
+    dx = torch.empty_like(h)
+    dx2 = ti.as_rows(dx, n)
+    cfg = backward_config(n, _vec(n, h2, weight, dy2, dh2, dx2))
     clusters = ti.sm_count(h.device.index or 0) * max(1, 1024 // cfg.threads) // cfg.cluster_n
     num_ctas = max(1, min(math.ceil(m / cfg.rows_per_cta), clusters))
     dw_partial = None
     if weight is not None:
         dw_partial = torch.zeros(num_ctas * cfg.rows_per_cta, n, device=h.device, dtype=torch.float32)
     if m > 0:
-        _rmsnorm_bwd(h2, weight, dy2, dh2, rstd, dx, dw_partial, num_ctas)
+        _rmsnorm_bwd(h2, weight, dy2, dh2, rstd, dx2, dw_partial, num_ctas)
     dw = dw_partial.sum(0).to(weight.dtype) if weight is not None else None
-    return dx.reshape(h.shape), dw
+    return dx, dw
 
 
 class _RMSNormFunction(torch.autograd.Function):
@@ -200,7 +201,8 @@ class _RMSNormFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy, dh_out=None):
-        h, weight, rstd = ctx.saved_tensors
+        # A saved output (x + residual) comes back requiring grad; kernels take plain tensors.
+        h, weight, rstd = (t.detach() if t is not None else None for t in ctx.saved_tensors)
         dh, dw = rmsnorm_bwd(h, weight, dy, rstd, dh_out if ctx.has_residual else None)
         if weight is None or not ctx.needs_input_grad[1]:
             dw = None
@@ -216,7 +218,7 @@ def rmsnorm(x, weight=None, eps: float = 1e-6, residual=None):
     """
     _validate(x, weight, residual)
     wants_grad = any(t is not None and t.requires_grad for t in (x, weight, residual))
-    if is_compile_only():
+    if not torch.compiler.is_compiling() and is_compile_only():
         return _warm(x, weight, residual, eps, wants_grad)
     if wants_grad and torch.is_grad_enabled():
         return _RMSNormFunction.apply(x, weight, residual, eps)

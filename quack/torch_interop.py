@@ -6,8 +6,6 @@ before any launch: dtype (TypeError), device, shape and layout (ValueError).
 
 from __future__ import annotations
 
-import functools
-
 import torch
 from cutlass import BFloat16, Float16, Float32
 
@@ -16,11 +14,15 @@ from quack.compile_only import is_compile_only
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 _CUTE_DTYPES = {"float32": Float32, "float16": Float16, "bfloat16": BFloat16}
+_DTYPE_NAMES = {d: str(d).removeprefix("torch.") for d in (*FLOAT_DTYPES, torch.int32, torch.int64)}
+_FakeTensor = torch._subclasses.fake_tensor.FakeTensor
+_SM_COUNTS: dict[int, int] = {}
 
 
 def dtype_name(dtype: torch.dtype) -> str:
     """The key spelling of a torch dtype: "bfloat16", "float32", ..."""
-    return str(dtype).removeprefix("torch.")
+    name = _DTYPE_NAMES.get(dtype)
+    return name if name is not None else str(dtype).removeprefix("torch.")
 
 
 def cute_dtype(name: str):
@@ -33,17 +35,20 @@ def address(t: torch.Tensor) -> int:
 
     Fake tensors (compile-only) have no storage; their allocation base is
     aligned like a real CUDA allocation, so only the storage offset counts."""
-    if isinstance(t, torch._subclasses.fake_tensor.FakeTensor):
+    if isinstance(t, _FakeTensor):
         return t.storage_offset() * t.element_size()
     return t.data_ptr()
 
 
-@functools.lru_cache(maxsize=None)
 def sm_count(device_index: int) -> int:
-    """Streaming multiprocessors of the GPU (132 on an H100/H200 when none is visible)."""
-    if is_compile_only() or not torch.cuda.is_available():
-        return 132
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
+    """Streaming multiprocessors of the GPU (132, an H100/H200's, when none is visible)."""
+    count = _SM_COUNTS.get(device_index)
+    if count is None:
+        count = 132
+        if torch.cuda.is_available():
+            count = torch.cuda.get_device_properties(device_index).multi_processor_count
+        _SM_COUNTS[device_index] = count
+    return count
 
 
 def current_stream(device: torch.device) -> int:
@@ -60,7 +65,7 @@ def as_rows(t: torch.Tensor, n: int) -> torch.Tensor:
     A (1, 1) view has two unit strides, from which CuTe cannot tell the
     leading dimension; giving its (never used) row stride the value 2 keeps
     the layout unambiguous without copying."""
-    rows = t.reshape(-1, n)
+    rows = t if t.dim() == 2 else t.reshape(-1, n)
     if rows.shape == (1, 1):
         rows = rows.as_strided((1, 1), (2, 1))
     return rows

@@ -9,8 +9,9 @@ scalar's address; the stream's address), then the executor's trailing slots.
 
 The struct layout of each argument is recorded at export time from the C
 header that ``export_to_c`` writes (``parse_abi``) and stored in the entry's
-sidecar.  This launcher packs the arguments into preallocated ctypes structs
-and calls the entry point directly.  Its first call goes through the
+sidecar.  This launcher lays those structs out in one preallocated buffer of
+64-bit words, fills it with generated straight-line code and calls the entry
+point directly.  Its first call goes through the
 ``JitCompiledFunction`` instead, which loads the CUDA module onto the device
 and creates the executor whose entry point the later calls reuse.
 
@@ -21,8 +22,10 @@ batch dimension first, static trailing sizes, unit innermost stride).
 
 from __future__ import annotations
 
+import array
 import ctypes
 import re
+import struct
 import threading
 from typing import Any, Sequence
 
@@ -68,86 +71,104 @@ def parse_abi(header: str, prefix: str) -> list[list]:
     return abi
 
 
-def _tensor_struct(shape_ctype: str, n_shapes: int, stride_ctype: str, n_strides: int):
-    fields = [("data", ctypes.c_void_p)]
-    fields += [(f"s{i}", _C_TYPES[shape_ctype]) for i in range(n_shapes)]
-    fields += [(f"t{i}", _C_TYPES[stride_ctype]) for i in range(n_strides)]
-    return type("TensorArg", (ctypes.Structure,), {"_fields_": fields})
+_WORD = 8
 
 
-class _TensorSlot:
-    """One tensor argument: a struct refilled from the tensor on each call."""
-
-    __slots__ = ("struct", "n_shapes", "n_strides")
-
-    def __init__(self, spec: Sequence[Any]):
-        _, shape_ctype, self.n_shapes, stride_ctype, self.n_strides = spec
-        self.struct = _tensor_struct(shape_ctype, self.n_shapes, stride_ctype, self.n_strides)()
-
-    def fill(self, t) -> None:
-        st = self.struct
-        st.data = t.data_ptr()
-        if self.n_shapes:
-            shape = t.shape
-            for i in range(self.n_shapes):
-                setattr(st, f"s{i}", shape[i])
-        if self.n_strides:
-            stride = t.stride()
-            for i in range(self.n_strides):
-                setattr(st, f"t{i}", stride[i])
-
-
-class _ScalarSlot:
-    __slots__ = ("struct",)
-
-    def __init__(self, ctype: str):
-        self.struct = _C_TYPES[ctype]()
-
-    def fill(self, value) -> None:
-        self.struct.value = value if isinstance(value, (int, float, bool)) else value.value
-
-
-class _StreamSlot:
-    __slots__ = ("struct",)
-
-    def __init__(self):
-        self.struct = ctypes.c_void_p()
-
-    def fill(self, stream) -> None:
-        self.struct.value = stream if isinstance(stream, int) else int(stream)
-
-
-def _slot(spec):
-    if spec[0] == "tensor":
-        return _TensorSlot(spec)
+def _fields(spec: Sequence[Any], a: str) -> list[tuple[str, str, int]]:
+    """(C type, Python expression over the argument named ``a``, byte offset)
+    of each field of one argument."""
     if spec[0] == "scalar":
-        return _ScalarSlot(spec[1])
-    return _StreamSlot()
+        return [(spec[1], a, 0)]
+    if spec[0] == "stream":
+        return [("int64_t", a, 0)]
+    _, shape_ctype, n_shapes, stride_ctype, n_strides = spec
+    fields = [("data", ctypes.c_void_p, f"{a}.data_ptr()")]
+    fields += [(f"s{i}", _C_TYPES[shape_ctype], f"{a}.size({i})") for i in range(n_shapes)]
+    fields += [(f"t{i}", _C_TYPES[stride_ctype], f"{a}.stride({i})") for i in range(n_strides)]
+    layout = type("Layout", (ctypes.Structure,), {"_fields_": [(n, t) for n, t, _ in fields]})
+    ctypes_names = {ctypes.c_void_p: "int64_t", ctypes.c_int32: "int32_t", ctypes.c_int64: "int64_t"}
+    return [(ctypes_names[t], expr, getattr(layout, n).offset) for n, t, expr in fields]
+
+
+def _word_value(parts: list[tuple[str, str, int]]) -> str:
+    """Expression for one 64-bit word holding the given (type, expression, byte-in-word) parts."""
+    terms = []
+    for ctype, expr, byte in parts:
+        if ctype == "float":
+            expr = f"_f32_bits({expr})"
+        elif ctype == "double":
+            expr = f"_f64_bits({expr})"
+        elif ctype == "bool":
+            expr = f"int({expr})"
+        if len(parts) > 1:
+            expr = f"(({expr}) & 0xFFFFFFFF) << {8 * byte}"
+        terms.append(expr)
+    return " | ".join(terms)
+
+
+def make_packer(abi: list[list], present: list[bool]):
+    """Build ``pack(buf, *args)``: writes every present argument into the
+    64-bit word buffer ``buf``; returns it with each argument's first word.
+
+    The function is generated as straight-line code (one assignment per
+    word, no loops or per-argument calls), since it runs on every launch.
+    Argument ``i`` is skipped where ``present[i]`` is false (None at compile time).
+    """
+    lines, starts, word = [], [], 0
+    specs = iter(abi)
+    for index, is_present in enumerate(present):
+        if not is_present:
+            continue
+        starts.append(word)
+        by_word: dict[int, list] = {}
+        for ctype, expr, offset in _fields(next(specs), f"a{index}"):
+            by_word.setdefault(offset // _WORD, []).append((ctype, expr, offset % _WORD))
+        for w in sorted(by_word):
+            lines.append(f"    buf[{word + w}] = {_word_value(by_word[w])}")
+        word += max(by_word) + 1
+    params = ", ".join(f"a{i}" for i in range(len(present)))
+    source = f"def pack(buf, {params}):\n" + ("\n".join(lines) or "    pass") + "\n"
+    namespace = {"_f32_bits": _f32_bits, "_f64_bits": _f64_bits}
+    exec(compile(source, "<quack launcher pack>", "exec"), namespace)
+    return namespace["pack"], starts, word
+
+
+def _f32_bits(value) -> int:
+    return struct.unpack("<I", struct.pack("<f", float(value)))[0]
+
+
+def _f64_bits(value) -> int:
+    return struct.unpack("<q", struct.pack("<d", float(value)))[0]
 
 
 class FastLauncher:
-    """Calls a compiled or loaded kernel with preallocated argument structs."""
+    """Calls a compiled or loaded kernel with arguments packed into one word buffer.
+
+    Arguments are passed positionally as the launcher declares them (None
+    for absent optional tensors, as at compile time); scalars as Python
+    numbers and the stream as a raw handle (``int``).
+    """
 
     def __init__(self, fn: Any, abi: list[list]):
         self._fn = fn
         self._abi = abi
-        self._slots = [_slot(spec) for spec in abi]
-        self._packed = None  # the pointer array, built after the first (slow) call
+        self._pack = None  # generated at the first call, when None positions are known
+        self._buf = None
+        self._packed = None  # the pointer array handed to the entry point
         self._capi = None
         self._result = None
-        # The structs are shared state: one launch packs and calls at a time.
+        self._nargs = 0
+        # The buffer is shared state: one launch packs and calls at a time.
         self._lock = threading.Lock()
 
     def __call__(self, *args: Any) -> None:
-        present = [a for a in args if a is not None]
-        if len(present) != len(self._slots):
-            raise TypeError(f"kernel takes {len(self._slots)} non-None arguments, got {len(present)}")
         with self._lock:
             if self._packed is None:
                 self._first_call(args)
                 return
-            for slot, arg in zip(self._slots, present):
-                slot.fill(arg)
+            if len(args) != self._nargs:
+                raise TypeError(f"kernel takes {self._nargs} arguments, got {len(args)}")
+            self._pack(self._buf, *args)
             self._capi(self._packed)
             if self._result is not None and self._result.value != 0:
                 raise RuntimeError(f"kernel launch failed with CUDA error {self._result.value}")
@@ -155,13 +176,19 @@ class FastLauncher:
     def _first_call(self, args: tuple) -> None:
         """Launch through the DSL once (it loads the module onto the device),
         then take over its executor's entry point for every later call."""
+        present = [a is not None for a in args]
+        if sum(present) != len(self._abi):
+            raise TypeError(f"kernel takes {len(self._abi)} non-None arguments, got {sum(present)}")
         specs = iter(self._abi)
         self._fn(*[a if a is None else _dsl_value(next(specs), a) for a in args])
         executor = getattr(self._fn, "_default_executor", None)
         if executor is None or not hasattr(executor, "_get_invoke_packed_args"):
             return  # an unknown DSL layout: stay on the slow path
-        addresses = [ctypes.addressof(slot.struct) for slot in self._slots]
-        packed = executor._get_invoke_packed_args(addresses)
+        pack, starts, words = make_packer(self._abi, present)
+        buf = array.array("q", [0] * max(1, words))
+        base = buf.buffer_info()[0]
+        packed = executor._get_invoke_packed_args([base + _WORD * w for w in starts])
+        self._pack, self._buf, self._nargs = pack, buf, len(args)
         self._packed = (ctypes.c_void_p * len(packed))(*packed)
         self._capi = executor.capi_func
         self._result = executor.cuda_result

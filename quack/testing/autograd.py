@@ -24,11 +24,13 @@ def vjp(fn: Callable, inputs: Sequence[torch.Tensor], cotangents: Sequence[torch
 
     ``cotangents`` may be a callable that builds them from the outputs.
     """
+    inputs = [t.detach().requires_grad_() for t in inputs]
     if is_compile_only():
+        # Inputs require grad (so ops warm their backward kernels), but no
+        # graph is built: that is what would abort.
         with torch.no_grad():
             outputs = _as_tuple(fn(*inputs))
         return outputs, tuple(torch.zeros_like(t) for t in inputs)
-    inputs = [t.detach().requires_grad_() for t in inputs]
     outputs = _as_tuple(fn(*inputs))
     cots = _as_tuple(cotangents(outputs) if callable(cotangents) else cotangents)
     grads = torch.autograd.grad(outputs, inputs, cots, allow_unused=True)
