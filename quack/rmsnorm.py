@@ -32,9 +32,15 @@ from quack.rmsnorm_kernels import RMSNormBackward, RMSNormForward
 from quack.rowwise import RowConfig
 
 MAX_N = 262144
-# The backward keeps x, dy and an fp32 dw accumulator per value: half the
-# forward's register budget per thread (64 values spill there).
+# Values of a row each thread holds in registers (this decides threads per
+# row and cluster size, see RowConfig.for_row).  The backward keeps x, dy and
+# an fp32 dw accumulator per value: 64 values spill there.
+FORWARD_VALUES_PER_THREAD = 64
 BACKWARD_VALUES_PER_THREAD = 32
+
+
+def forward_config(n: int, vec: int) -> RowConfig:
+    return RowConfig.for_row(n, vec, max_values=FORWARD_VALUES_PER_THREAD)
 
 
 def backward_config(n: int, vec: int) -> RowConfig:
@@ -44,7 +50,7 @@ def backward_config(n: int, vec: int) -> RowConfig:
 @jit_cache("rmsnorm")
 def compile_rmsnorm_fwd(dtype: str, weight_dtype: Optional[str], has_residual: bool, n: int, vec: int):
     """Compile the forward kernel for one static specialisation (M is symbolic)."""
-    cfg = RowConfig.for_row(n, vec)
+    cfg = forward_config(n, vec)
     dt = ti.cute_dtype(dtype)
     m = cute.sym_int()
     rows = lambda: rowwise.fake_rows(dt, m, n, vec)  # noqa: E731

@@ -27,6 +27,9 @@ def _torch_fwd(x, w):
 
 
 def cases(dtype: torch.dtype) -> list[Case]:
+    # The backward is timed by replaying one graph (retain_graph=True), which
+    # donated buffers forbid.
+    torch._functorch.config.donated_buffer = False
     compiled_fwd = torch.compile(_torch_fwd)
     out = []
     for m, n in STANDARD_SHAPES:
