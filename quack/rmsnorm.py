@@ -48,15 +48,18 @@ def backward_config(n: int, vec: int) -> RowConfig:
 
 
 @jit_cache("rmsnorm")
-def compile_rmsnorm_fwd(dtype: str, weight_dtype: Optional[str], has_residual: bool, n: int, vec: int):
-    """Compile the forward kernel for one static specialisation (M is symbolic)."""
+def compile_rmsnorm_fwd(
+    dtype: str, weight_dtype: Optional[str], has_residual: bool, n: int, vec: int, store_rstd: bool = True
+):
+    """Compile the forward kernel for one static specialisation (M is symbolic).
+    ``store_rstd``: write 1/rms per row for a backward pass (not needed for inference)."""
     cfg = forward_config(n, vec)
     dt = ti.cute_dtype(dtype)
     m = cute.sym_int()
     rows = lambda: rowwise.fake_rows(dt, m, n, vec)  # noqa: E731
     weight = rowwise.fake_vector(ti.cute_dtype(weight_dtype), n, vec) if weight_dtype else None
     residual, residual_out = (rows(), rows()) if has_residual else (None, None)
-    rstd = rowwise.fake_vector(Float32, m)
+    rstd = rowwise.fake_vector(Float32, m) if store_rstd else None
     return cute.compile(
         RMSNormForward(cfg), rows(), weight, residual, rows(), residual_out, rstd,
         Float32(0.0), cute.runtime.make_fake_stream(), options=compile_options(),
@@ -83,7 +86,18 @@ def compile_rmsnorm_bwd(dtype: str, weight_dtype: Optional[str], has_dh_out: boo
 def _vec(n: int, x: torch.Tensor, *others: Optional[torch.Tensor]) -> int:
     """Elements per vector copy of x's rows that every tensor of the launch can use."""
     present = (x, *(t for t in others if t is not None))
+    if not is_compile_only():
+        # The usual case, cheaply: every base 16-byte aligned.
+        addresses = 0
+        for t in present:
+            addresses |= t.data_ptr()
+        if not addresses & 15:
+            return _FULL_VEC[x.element_size()][n % 8]
     return rowwise.vector_width(n, x.element_size(), *((ti.address(t), t.element_size()) for t in present))
+
+
+# (element bytes, N mod 8) -> elements per 16-byte-aligned vector copy.
+_FULL_VEC = {size: [math.gcd(r or 8, 16 // size) for r in range(8)] for size in (2, 4)}
 
 
 @cute_op("quack::rmsnorm_fwd", mutates_args=("out", "residual_out", "rstd"))
@@ -93,7 +107,7 @@ def _rmsnorm_fwd(
     residual: Optional[torch.Tensor],
     out: torch.Tensor,
     residual_out: Optional[torch.Tensor],
-    rstd: torch.Tensor,
+    rstd: Optional[torch.Tensor],
     eps: float,
 ) -> None:
     """Launch the forward kernel on 2-D (M, N) tensors."""
@@ -105,6 +119,7 @@ def _rmsnorm_fwd(
         residual is not None,
         n,
         vec,
+        rstd is not None,
     )
     kernel(x, weight, residual, out, residual_out, rstd, eps, ti.current_stream(x.device))
 
@@ -145,13 +160,13 @@ def _validate(x, weight, residual) -> None:
         raise ValueError(f"N = {n} is larger than the supported {MAX_N}")
     if weight is not None:
         ti.check_float("weight", weight, (torch.float32, x.dtype))
-        ti.check_cuda("weight", weight, x.device)
+        ti.check_cuda("weight", weight, x)
         ti.check_contiguous("weight", weight)
         if tuple(weight.shape) != (n,):
             raise ValueError(f"weight must have shape ({n},), got {tuple(weight.shape)}")
     if residual is not None:
         ti.check_float("residual", residual, (x.dtype,))
-        ti.check_cuda("residual", residual, x.device)
+        ti.check_cuda("residual", residual, x)
         ti.check_contiguous("residual", residual)
         if residual.shape != x.shape:
             raise ValueError(
@@ -159,14 +174,15 @@ def _validate(x, weight, residual) -> None:
             )
 
 
-def rmsnorm_fwd(x, weight=None, residual=None, eps=1e-6):
-    """Allocate outputs and run the forward op: returns (y, x + residual or None, rstd)."""
+def rmsnorm_fwd(x, weight=None, residual=None, eps=1e-6, store_rstd=True):
+    """Allocate outputs and run the forward op: returns (y, x + residual or None,
+    rstd or None)."""
     n = x.shape[-1]
     x2 = ti.as_rows(x, n)
     res2 = ti.as_rows(residual, n) if residual is not None else None
     out = torch.empty_like(x)
     h = torch.empty_like(x) if residual is not None else None
-    rstd = torch.empty(x2.shape[0], device=x.device, dtype=torch.float32)
+    rstd = torch.empty(x2.shape[0], device=x.device, dtype=torch.float32) if store_rstd else None
     if x2.shape[0] > 0:
         h2 = ti.as_rows(h, n) if h is not None else None
         _rmsnorm_fwd(x2, weight, res2, ti.as_rows(out, n), h2, rstd, eps)
@@ -228,7 +244,7 @@ def rmsnorm(x, weight=None, eps: float = 1e-6, residual=None):
         return _warm(x, weight, residual, eps, wants_grad)
     if wants_grad and torch.is_grad_enabled():
         return _RMSNormFunction.apply(x, weight, residual, eps)
-    y, h, _ = rmsnorm_fwd(x, weight, residual, eps)
+    y, h, _ = rmsnorm_fwd(x, weight, residual, eps, store_rstd=False)
     return (y, h) if residual is not None else y
 
 
@@ -237,7 +253,7 @@ def _warm(x, weight, residual, eps, wants_grad):
     """Compile-only: export the forward kernel, and the backward one when an
     input requires grad (autograd itself cannot run on fake CUDA tensors with a
     CPU-only torch, see quack/testing/autograd.py).  Outputs carry no graph."""
-    y, h, rstd = rmsnorm_fwd(x, weight, residual, eps)
+    y, h, rstd = rmsnorm_fwd(x, weight, residual, eps, store_rstd=wants_grad)
     if wants_grad:
         dh_out = torch.empty_like(h) if h is not None else None
         rmsnorm_bwd(h if h is not None else x, weight, torch.empty_like(y), rstd, dh_out)

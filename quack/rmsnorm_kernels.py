@@ -43,7 +43,7 @@ def _cluster_rank(cfg: RowConfig):
 
 
 class RMSNormForward:
-    """y = rmsnorm(x + residual) * w, with rstd (and x + residual) written out."""
+    """y = rmsnorm(x + residual) * w; also writes x + residual and rstd when given."""
 
     def __init__(self, cfg: RowConfig):
         self.cfg = cfg
@@ -56,7 +56,7 @@ class RMSNormForward:
         mRes: Optional[cute.Tensor],
         mY: cute.Tensor,
         mResOut: Optional[cute.Tensor],
-        mRstd: cute.Tensor,
+        mRstd: Optional[cute.Tensor],
         eps: Float32,
         stream: cuda.CUstream,
     ):
@@ -77,7 +77,7 @@ class RMSNormForward:
         mRes: Optional[cute.Tensor],
         mY: cute.Tensor,
         mResOut: Optional[cute.Tensor],
-        mRstd: cute.Tensor,
+        mRstd: Optional[cute.Tensor],
         eps: Float32,
         copy: cute.TiledCopy,
     ):
@@ -124,8 +124,9 @@ class RMSNormForward:
         sum_sq = (h * h).reduce(cute.ReductionOp.ADD, Float32(0.0), reduction_profile=0)
         sum_sq = rowwise.row_sum(sum_sq, sRed[None, None, 0], cfg.threads_per_row, cfg.cluster_n)
         rstd = cute.math.rsqrt(sum_sq / cfg.n + eps, fastmath=True)
-        if tXcX[0][1] == 0 and in_rows:
-            mRstd[row] = rstd
+        if const_expr(mRstd is not None):
+            if tXcX[0][1] == 0 and in_rows:
+                mRstd[row] = rstd
 
         y = h * rstd
         if const_expr(mW is not None):

@@ -79,11 +79,12 @@ def check_float(name: str, t: torch.Tensor, allowed=FLOAT_DTYPES) -> None:
         raise TypeError(f"{name} has dtype {dtype_name(t.dtype)}; expected one of {names}")
 
 
-def check_cuda(name: str, t: torch.Tensor, device: torch.device | None = None) -> None:
-    if t.device.type != "cuda":
+def check_cuda(name: str, t: torch.Tensor, like: torch.Tensor | None = None) -> None:
+    """``t`` is a CUDA tensor (on ``like``'s device when given)."""
+    if not t.is_cuda:
         raise ValueError(f"{name} must be on a CUDA device, got {t.device}")
-    if device is not None and t.device != device:
-        raise ValueError(f"{name} is on {t.device} but the input is on {device}")
+    if like is not None and t.get_device() != like.get_device():
+        raise ValueError(f"{name} is on {t.device} but the input is on {like.device}")
 
 
 def check_contiguous(name: str, t: torch.Tensor) -> None:

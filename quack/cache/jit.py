@@ -13,7 +13,6 @@ from __future__ import annotations
 import functools
 import inspect
 import json
-import os
 import logging
 import threading
 import time
@@ -37,9 +36,10 @@ _MEMORY: dict[str, KernelHandle] = {}  # keyhash -> loaded or freshly compiled h
 _ENSURED: set[tuple[Path, str]] = set()  # (writable root, keyhash) known on disk, compile-only
 _WARNED: set[tuple[str, str, str]] = set()  # (layer, keyhash, problem) already logged
 _LOCK = threading.Lock()
-# (compile function, args, kwargs, QUACK_ARCH) -> handle: the per-call fast path.
-# Binding the signature and hashing the key costs tens of microseconds; a
-# kernel launch must not pay that on every call.
+# (compile function, args, kwargs) -> handle: the per-call fast path.  Binding
+# the signature and hashing the key costs tens of microseconds; a kernel
+# launch must not pay that on every call.  The knobs (QUACK_ARCH, layers) are
+# read when a key is first resolved in a process; clear() forgets this map.
 _RECENT: dict[tuple, KernelHandle] = {}
 
 
@@ -78,7 +78,7 @@ def jit_cache(family: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]
 
         @functools.wraps(fn)
         def get(*args: Any, **kwargs: Any) -> Callable[..., Any]:
-            recent = (fn, args, tuple(kwargs.items()), os.environ.get("QUACK_ARCH"))
+            recent = (fn, args, tuple(kwargs.items())) if kwargs else (fn, args)
             handle = _RECENT.get(recent)
             if handle is not None and not compile_only_active():
                 stats.record_hit("memory")

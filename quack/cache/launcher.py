@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import array
 import ctypes
+import functools
 import re
 import struct
 import threading
@@ -133,7 +134,9 @@ def make_packer(abi: list[list], present: list[bool]):
     return namespace["pack"], starts, word
 
 
+@functools.lru_cache(maxsize=256)
 def _f32_bits(value) -> int:
+    """Bit pattern of a float32 scalar (cached: an eps changes rarely)."""
     return struct.unpack("<I", struct.pack("<f", float(value)))[0]
 
 
