@@ -29,6 +29,8 @@ def _torch_fwd(x, w):
 def cases(dtype: torch.dtype) -> list[Case]:
     # The backward is timed by replaying one graph (retain_graph=True), which
     # donated buffers forbid.
+    import torch._functorch.config
+
     torch._functorch.config.donated_buffer = False
     compiled_fwd = torch.compile(_torch_fwd)
     out = []
