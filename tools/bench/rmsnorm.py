@@ -32,7 +32,8 @@ def cases(dtype: torch.dtype) -> list[Case]:
     import torch._functorch.config
 
     torch._functorch.config.donated_buffer = False
-    compiled_fwd = torch.compile(_torch_fwd)
+    # dynamic=False: one specialised graph per shape, as a fixed-shape model gets.
+    compiled_fwd = torch.compile(_torch_fwd, dynamic=False)
     out = []
     for m, n in STANDARD_SHAPES:
         x = torch.randn(m, n, device="cuda", dtype=dtype)
