@@ -255,3 +255,71 @@ def row_sum(
         if lane + i < slots:
             total += buffer[row_in_cta, lane + i]
     return cute.arch.warp_reduction(total, lambda a, b: a + b, threads_in_group=32)
+
+
+def load_row_filled(atom: cute.CopyAtom, src: cute.Tensor, dst: cute.Tensor, pred: cute.Tensor, fill):
+    """Global -> registers; masked vectors read as ``fill`` (e.g. -inf for a
+    max or a softmax, where a zero would count as a real value)."""
+    dst.fill(fill)
+    cute.copy(atom, src, dst, pred=pred)
+
+
+@cute.jit
+def row_reduce(
+    val: Float32,
+    op: cutlass.Constexpr[str],
+    buffer: cute.Tensor,
+    threads_per_row: cutlass.Constexpr[int],
+    cluster_n: cutlass.Constexpr[int],
+) -> Float32:
+    """``row_sum`` for ``op`` "sum" or "max": the same lane -> warp -> CTA ->
+    cluster path, with the same preconditions (cluster barrier protocol, one
+    buffer stage per call).  Two reductions in a row (a max, then a sum of
+    exponentials) must use two different stages: the second call's remote
+    stores may otherwise land in slots a slow peer has not read yet."""
+    if const_expr(op == "max"):
+        val = cute.arch.warp_reduction(
+            val, lambda a, b: cute.arch.fmax(a, b), threads_in_group=min(threads_per_row, 32)
+        )
+    else:
+        val = cute.arch.warp_reduction(
+            val, lambda a, b: a + b, threads_in_group=min(threads_per_row, 32)
+        )
+    if const_expr(threads_per_row <= 32 and cluster_n == 1):
+        return val
+    lane = cute.arch.lane_idx()
+    warp = cute.arch.warp_idx()
+    warps_per_row = const_expr(max(1, threads_per_row // 32))
+    row_in_cta = warp // warps_per_row
+    warp_in_row = warp % warps_per_row
+    if const_expr(cluster_n == 1):
+        if lane == 0:
+            buffer[row_in_cta, (warp_in_row, 0)] = val
+        cute.arch.barrier()
+    else:
+        rank = cute.arch.block_idx_in_cluster()
+        if lane < cluster_n:
+            offset = cute.crd2idx((row_in_cta, (warp_in_row, rank)), buffer.layout)
+            slot = buffer.iterator + offset
+            remote = cute.arch.map_dsmem_ptr(slot, lane)
+            cute.arch.inline_ptx(
+                "st.shared::cluster.f32 [{$r0}], {$r1};",
+                read_only_args=[Int32(remote.toint()), val],
+            )
+        cute.arch.cluster_arrive(aligned=True)
+        cute.arch.cluster_wait()
+    slots = const_expr(warps_per_row * cluster_n)
+    if const_expr(op == "max"):
+        total = Float32(-math.inf)
+        for i in cutlass.range_constexpr(0, slots, 32):
+            if lane + i < slots:
+                total = cute.arch.fmax(total, buffer[row_in_cta, lane + i])
+        return cute.arch.warp_reduction(
+            total, lambda a, b: cute.arch.fmax(a, b), threads_in_group=32
+        )
+    else:
+        total = Float32(0.0)
+        for i in cutlass.range_constexpr(0, slots, 32):
+            if lane + i < slots:
+                total += buffer[row_in_cta, lane + i]
+        return cute.arch.warp_reduction(total, lambda a, b: a + b, threads_in_group=32)

@@ -14,13 +14,18 @@ Variable               Type        Meaning (default)
                                    compiling; a bad entry raises ``CacheError`` (``0``).
 ``QUACK_ARCH``         str         GPU arch to compile for, e.g. ``sm_90a`` (the visible
                                    GPU's compute capability, else ``sm_90a``).
+``QUACK_CACHE_MAX_SIZE`` size      After each export, evict least recently used entries
+                                   of the writable layer down to this size, e.g. ``2G``
+                                   (no bound). See :func:`parse_size`.
 =====================  ==========  =====================================================
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,6 +46,7 @@ class CacheConfig:
     readonly_dirs: tuple[Path, ...]  # already resolved to their real roots
     strict: bool
     arch: str
+    max_size: int | None = None  # bytes; None: no automatic bound
 
 
 def read_config() -> CacheConfig:
@@ -50,7 +56,38 @@ def read_config() -> CacheConfig:
         readonly_dirs=_resolve_layers(os.environ.get("QUACK_CACHE_PATH", "")),
         strict=os.environ.get("QUACK_CACHE_STRICT", "").strip().lower() in _TRUE,
         arch=current_arch(),
+        max_size=max_cache_size(),
     )
+
+
+_SIZE = re.compile(r"(?P<number>\d+(?:\.\d+)?)\s*(?P<unit>[kmgt]?)(?:i?b)?", re.I)
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def parse_size(text: str) -> int:
+    """Bytes in ``text``: a number with an optional unit K, M, G or T (powers of 1024;
+    ``KB``/``KiB`` spellings accepted), e.g. ``500M``, ``2G``, ``1.5G``, ``4096``.
+    Raises ``ValueError`` with a readable message otherwise."""
+    match = _SIZE.fullmatch(text.strip())
+    if not match:
+        raise ValueError(f"not a size: {text!r} (expected e.g. 500M, 2G, 4096)")
+    return int(float(match["number"]) * _UNITS[match["unit"].lower()])
+
+
+@functools.lru_cache(maxsize=8)
+def _max_size(raw: str) -> int | None:
+    if not raw.strip():
+        return None
+    try:
+        return parse_size(raw)
+    except ValueError as exc:
+        logging.getLogger("quack.cache").warning("ignoring QUACK_CACHE_MAX_SIZE: %s", exc)
+        return None
+
+
+def max_cache_size() -> int | None:
+    """``QUACK_CACHE_MAX_SIZE`` in bytes, or None (unset or unreadable: warned once)."""
+    return _max_size(os.environ.get("QUACK_CACHE_MAX_SIZE", ""))
 
 
 def current_arch() -> str:

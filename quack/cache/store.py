@@ -5,6 +5,10 @@ holding the format version, the full key, the object's size and sha256. An entry
 is used only after the sidecar matches the expected key and the object's bytes;
 anything else (truncated, garbage, foreign version, other arch, other key) is
 reported as bad, never loaded.
+
+Sidecars written since the ``integrity`` field exists also carry the sha256 of
+their own canonical JSON (without that field), so a damaged argument layout or
+prefix is caught as well; sidecars without it (older writers) are still read.
 """
 
 from __future__ import annotations
@@ -44,6 +48,49 @@ class Layer:
         return self.root / family / f"{keyhash}.lock"
 
 
+class ExportError(CacheError):
+    """Writing an entry failed (full disk, read-only file system...).
+
+    ``abi`` is the argument layout when the export got far enough to read it,
+    so the caller can still use the compiled kernel without caching it.
+    """
+
+    def __init__(self, message: str, abi: list | None = None) -> None:
+        super().__init__(message)
+        self.abi = abi
+
+
+# Every field a sidecar may hold; anything else means damage (a flipped bit in a name).
+SIDECAR_FIELDS = frozenset({"abi", "format", "key", "function_prefix", "size", "sha256", "integrity"})
+
+
+def sidecar_integrity(meta: dict) -> str:
+    """sha256 over the canonical JSON of a sidecar without its ``integrity`` field."""
+    body = {k: v for k, v in meta.items() if k != "integrity"}
+    return hashlib.sha256(canonical_json(body).encode()).hexdigest()
+
+
+def sidecar_problem(meta: Any) -> str:
+    """What is wrong with the structure of a parsed sidecar (``""``: nothing)."""
+    if not isinstance(meta, dict) or not isinstance(meta.get("key"), dict) or not isinstance(meta.get("abi"), list):
+        return "sidecar is not a cache sidecar"
+    unknown = sorted(str(k) for k in meta.keys() - SIDECAR_FIELDS)
+    if unknown:
+        return "sidecar has unknown fields " + ", ".join(unknown)
+    return ""
+
+
+def object_problem(meta: dict, data: bytes) -> str:
+    """Check an object's bytes and the sidecar's own checksum (``""``: fine)."""
+    if len(data) != meta.get("size"):
+        return f"object is {len(data)} bytes, sidecar says {meta.get('size')!r} (truncated?)"
+    if hashlib.sha256(data).hexdigest() != meta.get("sha256"):
+        return "object sha256 does not match its sidecar (corrupted?)"
+    if "integrity" in meta and meta["integrity"] != sidecar_integrity(meta):
+        return "sidecar checksum does not match its content (corrupted?)"
+    return ""
+
+
 @dataclass(frozen=True)
 class Verdict:
     """Outcome of checking one entry: ``state`` is ``ok``, ``absent`` or ``bad``."""
@@ -59,18 +106,20 @@ ABSENT = Verdict("absent")
 def verify_entry(layer: Layer, family: str, keyhash: str, key: dict[str, Any]) -> Verdict:
     """Check an entry against ``key`` without loading it."""
     obj, side = layer.object_path(family, keyhash), layer.sidecar_path(family, keyhash)
-    if layer.writable:
-        check_private(layer.root)
     if not obj.exists() and not side.exists():
         return ABSENT
-    if not layer.writable and not all(_inside(p, layer.root) for p in (obj, side)):
-        return Verdict("bad", "entry resolves outside its read-only layer")
+    # Read-only roots are resolved once (config); the writable root is resolved here.
+    root = layer.root if not layer.writable else Path(os.path.realpath(layer.root))
+    if not all(_inside(p, root) for p in (obj, side)):
+        kind = "writable" if layer.writable else "read-only"
+        return Verdict("bad", f"entry resolves outside its {kind} layer")
     try:
         meta = json.loads(side.read_text())
     except (OSError, ValueError) as exc:
         return Verdict("bad", f"sidecar unreadable ({exc})")
-    if not isinstance(meta, dict) or not isinstance(meta.get("key"), dict) or not isinstance(meta.get("abi"), list):
-        return Verdict("bad", "sidecar is not a cache sidecar")
+    problem = sidecar_problem(meta)
+    if problem:
+        return Verdict("bad", problem)
     if meta.get("format") != CACHE_FORMAT_VERSION:
         return Verdict(
             "bad", f"foreign format version {meta.get('format')!r} (expected {CACHE_FORMAT_VERSION})"
@@ -87,10 +136,9 @@ def verify_entry(layer: Layer, family: str, keyhash: str, key: dict[str, Any]) -
         data = obj.read_bytes()
     except OSError as exc:
         return Verdict("bad", f"object unreadable ({exc})")
-    if len(data) != meta.get("size"):
-        return Verdict("bad", f"object is {len(data)} bytes, sidecar says {meta.get('size')!r} (truncated?)")
-    if hashlib.sha256(data).hexdigest() != meta.get("sha256"):
-        return Verdict("bad", "object sha256 does not match its sidecar (corrupted?)")
+    problem = object_problem(meta, data)
+    if problem:
+        return Verdict("bad", problem)
     return Verdict("ok", sidecar=meta)
 
 
@@ -101,7 +149,7 @@ def write_entry(
     key: dict[str, Any],
     prefix: str,
     export: Callable[[Path, str], None],
-) -> None:
+) -> list:
     """Export into a temp dir next to the entry, then ``os.replace`` object and sidecar.
 
     ``export(directory, name)`` must write ``directory/name.o`` and the C header
@@ -109,26 +157,42 @@ def write_entry(
     launcher (see launcher.py). The sidecar goes
     last: a reader that sees a new object with an old sidecar finds a sha256
     mismatch (a miss), never a half-written object that passes verification.
+
+    Returns the argument layout (abi). A failed write (``OSError``: full disk,
+    read-only file system) raises ``ExportError`` carrying the abi if it was
+    read, and leaves no temporary files behind.
     """
-    family_dir = ensure_layer_dir(layer) / family
-    family_dir.mkdir(exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{keyhash}.", dir=family_dir))
+    abi = None
+    tmp = None
     try:
+        family_dir = ensure_layer_dir(layer) / family
+        family_dir.mkdir(exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{keyhash}.", dir=family_dir))
         export(tmp, keyhash)
         data = (tmp / f"{keyhash}.o").read_bytes()
+        abi = parse_abi((tmp / f"{keyhash}.h").read_text(), prefix)
         sidecar = {
-            "abi": parse_abi((tmp / f"{keyhash}.h").read_text(), prefix),
+            "abi": abi,
             "format": CACHE_FORMAT_VERSION,
             "key": key,
             "function_prefix": prefix,
             "size": len(data),
             "sha256": hashlib.sha256(data).hexdigest(),
         }
+        sidecar["integrity"] = sidecar_integrity(sidecar)
         (tmp / f"{keyhash}.json").write_text(json.dumps(sidecar, sort_keys=True, indent=1) + "\n")
         os.replace(tmp / f"{keyhash}.o", layer.object_path(family, keyhash))
         os.replace(tmp / f"{keyhash}.json", layer.sidecar_path(family, keyhash))
+    except OSError as exc:
+        # The object may be in place without its new sidecar: readers see a
+        # mismatch (a miss), and the next successful export replaces both.
+        raise ExportError(
+            f"could not write cache entry {layer.object_path(family, keyhash)}: {exc}", abi
+        ) from exc
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return abi
 
 
 @contextlib.contextmanager
@@ -156,17 +220,44 @@ def ensure_layer_dir(layer: Layer) -> Path:
     return layer.root
 
 
-def check_private(root: Path) -> None:
-    """Raise ``CacheError`` unless ``root`` (if it exists) is ours and not group/world-writable."""
+def writable_problem(root: Path) -> str:
+    """Why ``root`` may not serve as the writable layer (``""``: it may, or does not exist yet).
+
+    The layer must be owned by the current user and not writable by group or
+    others: its objects are native code loaded into this process. The check is
+    on the real directory (a symlinked root is followed).
+    """
     try:
         st = root.stat()
     except FileNotFoundError:
-        return
+        return ""
+    except OSError as exc:
+        return f"cannot use writable cache layer {root} ({exc})"
+    if not stat.S_ISDIR(st.st_mode):
+        return f"writable cache layer {root} is not a directory"
     if st.st_uid != os.getuid() or st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        raise CacheError(
+        return (
             f"refusing writable cache layer {root}: it must be owned by uid {os.getuid()} "
             "and not writable by group or others (chmod go-w, or set QUACK_CACHE_DIR)"
         )
+    return ""
+
+
+def check_private(root: Path) -> None:
+    """Raise ``CacheError`` unless ``root`` (if it exists) is ours and not group/world-writable."""
+    problem = writable_problem(root)
+    if problem:
+        raise CacheError(problem)
+
+
+def touch_last_use(layer: Layer, family: str, keyhash: str) -> None:
+    """Record a use of a writable entry: its object's mtime is its last use (what
+    ``prune`` evicts by). Once per key and process, never on a memory hit."""
+    if layer.writable:
+        try:
+            os.utime(layer.object_path(family, keyhash))
+        except OSError:
+            pass
 
 
 def remove_entries(layer: Layer) -> None:

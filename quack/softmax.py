@@ -1,0 +1,179 @@
+"""Softmax as a cached, torch-callable op: ``quack.softmax(x)``.
+
+    y = exp(x - max(x)) / sum(exp(x - max(x)))
+
+over the last dimension of x (shape (..., N), N up to 262144, any number of
+rows, float32/float16/bfloat16), with autograd (dx = y * (dy - sum(y * dy))).
+The statistics are fp32; y is rounded to x's dtype once.
+
+The kernels live in ``quack/softmax_kernels.py``; this file holds the cached
+compile functions (their arguments are the object key), the ``@cute_op`` ops,
+the allocating wrappers, the autograd Function, the public function and the
+fp32 reference ``softmax_ref`` that tests import.
+
+Test: ``pytest tests/test_softmax.py``; benchmark: ``python tools/bench/softmax.py``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import cutlass.cute as cute
+import torch
+
+from quack import rowwise
+from quack import torch_interop as ti
+from quack.cache import compile_options, jit_cache
+from quack.compile_only import is_compile_only
+from quack.cute_op import cute_op
+from quack.rowwise import RowConfig
+from quack.softmax_kernels import SoftmaxBackward, SoftmaxForward
+
+MAX_N = 262144
+# Values of a row each thread holds in registers (decides threads per row and
+# the cluster size, see RowConfig.for_row).  The forward holds x (and then its
+# exponentials); past 64K columns a 16-bit row holds 128 values per thread to
+# halve the cluster, as the RMSNorm forward does.  The backward holds y and dy.
+FORWARD_VALUES_PER_THREAD = 64
+FORWARD_VALUES_PER_THREAD_LONG_16BIT = 128
+BACKWARD_VALUES_PER_THREAD = 32
+
+
+def forward_config(n: int, vec: int, element_bytes: int) -> RowConfig:
+    budget = FORWARD_VALUES_PER_THREAD
+    if element_bytes == 2 and n > 65536:
+        budget = FORWARD_VALUES_PER_THREAD_LONG_16BIT
+    return RowConfig.for_row(n, vec, max_values=budget)
+
+
+def backward_config(n: int, vec: int) -> RowConfig:
+    return RowConfig.for_row(n, vec, max_values=BACKWARD_VALUES_PER_THREAD)
+
+
+@jit_cache("softmax")
+def compile_softmax_fwd(dtype: str, n: int, vec: int):
+    """Compile the forward kernel for one static specialisation (M is symbolic)."""
+    dt = ti.cute_dtype(dtype)
+    cfg = forward_config(n, vec, dt.width // 8)
+    m = cute.sym_int()
+    return cute.compile(
+        SoftmaxForward(cfg), rowwise.fake_rows(dt, m, n, vec), rowwise.fake_rows(dt, m, n, vec),
+        cute.runtime.make_fake_stream(), options=compile_options(),
+    )
+
+
+@jit_cache("softmax")
+def compile_softmax_bwd(dtype: str, n: int, vec: int):
+    """Compile the backward kernel (y, dy and dx share one dtype)."""
+    dt = ti.cute_dtype(dtype)
+    cfg = backward_config(n, vec)
+    m = cute.sym_int()
+    rows = lambda: rowwise.fake_rows(dt, m, n, vec)  # noqa: E731
+    return cute.compile(
+        SoftmaxBackward(cfg), rows(), rows(), rows(), cute.runtime.make_fake_stream(),
+        options=compile_options(),
+    )
+
+
+def _vec(n: int, *tensors: torch.Tensor) -> int:
+    """Elements per vector copy that every tensor of the launch can use."""
+    x = tensors[0]
+    if not is_compile_only():
+        addresses = 0
+        for t in tensors:
+            addresses |= t.data_ptr()
+        if not addresses & 15:
+            return math.gcd(n, 16 // x.element_size())
+    return rowwise.vector_width(n, x.element_size(), *((ti.address(t), t.element_size()) for t in tensors))
+
+
+@cute_op("quack::softmax_fwd", mutates_args=("out",))
+def _softmax_fwd(x: torch.Tensor, out: torch.Tensor) -> None:
+    """Launch the forward kernel on 2-D (M, N) tensors."""
+    n = x.shape[1]
+    kernel = compile_softmax_fwd(ti.dtype_name(x.dtype), n, _vec(n, x, out))
+    kernel(x, out, ti.current_stream(x.device))
+
+
+@cute_op("quack::softmax_bwd", mutates_args=("dx",))
+def _softmax_bwd(y: torch.Tensor, dy: torch.Tensor, dx: torch.Tensor) -> None:
+    """Launch the backward kernel on 2-D (M, N) tensors."""
+    n = y.shape[1]
+    kernel = compile_softmax_bwd(ti.dtype_name(y.dtype), n, _vec(n, y, dy, dx))
+    kernel(y, dy, dx, ti.current_stream(y.device))
+
+
+def _validate(x) -> None:
+    ti.check_float("x", x)
+    ti.check_cuda("x", x)
+    ti.check_contiguous("x", x)
+    if x.dim() < 1 or x.shape[-1] == 0:
+        raise ValueError(f"x must have shape (..., N) with N >= 1, got {tuple(x.shape)}")
+    if x.shape[-1] > MAX_N:
+        raise ValueError(f"N = {x.shape[-1]} is larger than the supported {MAX_N}")
+
+
+def softmax_fwd(x: torch.Tensor) -> torch.Tensor:
+    """Allocate y and run the forward op."""
+    n = x.shape[-1]
+    out = torch.empty_like(x)
+    x2 = ti.as_rows(x, n)
+    if x2.shape[0] > 0:
+        _softmax_fwd(x2, ti.as_rows(out, n))
+    return out
+
+
+def softmax_bwd(y: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
+    """Allocate dx and run the backward op (dy is made contiguous in y's dtype)."""
+    n = y.shape[-1]
+    dy = dy.to(y.dtype).contiguous()
+    dx = torch.empty_like(y)
+    y2 = ti.as_rows(y, n)
+    if y2.shape[0] > 0:
+        _softmax_bwd(y2, ti.as_rows(dy, n), ti.as_rows(dx, n))
+    return dx
+
+
+class _SoftmaxFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        # Kernels take plain tensors (DLPack refuses ones that require grad).
+        y = softmax_fwd(x.detach())
+        ctx.save_for_backward(y)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        (y,) = ctx.saved_tensors
+        return softmax_bwd(y.detach(), dy)
+
+
+def softmax(x: torch.Tensor) -> torch.Tensor:
+    """Softmax over the last dimension.
+
+    x: (..., N) contiguous CUDA tensor, float32/float16/bfloat16, N <= 262144.
+    Returns y like x.  Differentiable.  Raises TypeError for a wrong dtype and
+    ValueError for a wrong device, shape or layout, before any launch.
+    """
+    _validate(x)
+    if not torch.compiler.is_compiling() and is_compile_only():
+        return _warm(x, x.requires_grad)
+    if x.requires_grad and torch.is_grad_enabled():
+        return _SoftmaxFunction.apply(x)
+    return softmax_fwd(x)
+
+
+@torch.no_grad()
+def _warm(x, wants_grad):
+    """Compile-only: export the forward kernel, and the backward one when x
+    requires grad (autograd cannot run on fake CUDA tensors with a CPU-only
+    torch, see quack/testing/autograd.py).  The output carries no graph."""
+    y = softmax_fwd(x)
+    if wants_grad:
+        softmax_bwd(y, torch.empty_like(y))
+    return y
+
+
+def softmax_ref(x: torch.Tensor) -> torch.Tensor:
+    """fp32 reference, rounded to x's dtype."""
+    return torch.softmax(x.float(), dim=-1).to(x.dtype)
