@@ -98,7 +98,7 @@ class RMSNormForward:
         if const_expr(cfg.cluster_n > 1):
             cute.arch.cluster_arrive_relaxed()
 
-        smem = cutlass.utils.SmemAllocator()
+        smem = cutlass.memory.SmemAllocator()
         sRed = smem.allocate_tensor(Float32, rowwise.reduction_buffer_layout(cfg), byte_alignment=8)
 
         m, n = mX.shape[0], mX.shape[1]
@@ -207,7 +207,7 @@ class RMSNormBackward:
         if const_expr(cfg.cluster_n > 1):
             cute.arch.cluster_arrive_relaxed()
 
-        smem = cutlass.utils.SmemAllocator()
+        smem = cutlass.memory.SmemAllocator()
         # Two stages: consecutive row tiles alternate, see rowwise.row_sum.
         sRed = smem.allocate_tensor(
             Float32, rowwise.reduction_buffer_layout(cfg, stages=2), byte_alignment=8

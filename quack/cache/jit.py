@@ -6,14 +6,24 @@ that exports into the writable layer under a per-key lock (re-checked after the
 lock is taken, so racing processes compile once). Strict mode turns the compile
 into ``CacheMissError``. Compile-only mode only ensures the entry exists and
 returns a no-op handle: loading native code needs a CUDA driver.
+
+Trust: objects are native code. Read-only layers are the ones the user
+configured; the writable layer is used only while it is owned by this user and
+not writable by group or others, otherwise it is bypassed with one warning
+(nothing loaded from it, compiles are not exported; compile-only mode raises,
+since exporting is its job). A failed export (full
+disk) is warned once and the freshly compiled kernel is used uncached;
+compile-only mode raises, as its job is the export. None of this runs on a
+memory hit.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
-import json
 import logging
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -28,7 +38,17 @@ from .key import function_prefix, key_hash, object_key
 from .launcher import FastLauncher
 from .mode import compile_only_active
 from .source_hash import module_source_hash
-from .store import Layer, key_lock, remove_entries, verify_entry, write_entry
+from .launcher import parse_abi
+from .store import (
+    ExportError,
+    Layer,
+    key_lock,
+    remove_entries,
+    touch_last_use,
+    verify_entry,
+    write_entry,
+    writable_problem,
+)
 
 log = logging.getLogger("quack.cache")
 
@@ -149,6 +169,8 @@ def _lookup_layers(req: Request, *, load: bool) -> Callable[..., Any] | None:
     A bad entry or a failed load is logged once and skipped (strict: raised).
     """
     for layer in req.layers:
+        if layer.writable and not _writable_trusted(req):
+            continue
         handle = _probe(layer, req, load=load)
         if handle is not None:
             stats.record_hit(layer.label)
@@ -171,6 +193,7 @@ def _probe(layer: Layer, req: Request, *, load: bool, report: bool = True) -> Ca
         if report:
             _report_bad(layer, req, verdict.problem)
         return None
+    touch_last_use(layer, req.family, req.keyhash)
     if not load:
         return _noop_kernel
     start = time.perf_counter()
@@ -196,7 +219,16 @@ def _compile(req: Request, *, load: bool) -> Callable[..., Any]:
     if req.config.strict:
         raise CacheMissError(_miss_message(req))
     layer = req.writable
-    with key_lock(layer, req.family, req.keyhash):
+    if not _writable_trusted(req):
+        if not load:
+            raise CacheError(f"compile-only mode cannot export {req.function}: {writable_problem(layer.root)}")
+        return _compile_uncached(req, None)
+    with contextlib.ExitStack() as locked:
+        try:
+            locked.enter_context(key_lock(layer, req.family, req.keyhash))
+        except OSError as exc:  # no lock file possible: full disk, read-only file system
+            error = ExportError(f"cannot lock {layer.lock_path(req.family, req.keyhash)}: {exc}")
+            return _compile_uncached(req, error, load=load)
         handle = _probe(layer, req, load=load, report=False)
         if handle is not None:
             stats.record_hit(layer.label)
@@ -204,20 +236,85 @@ def _compile(req: Request, *, load: bool) -> Callable[..., Any]:
         start = time.perf_counter()
         compiled = req.compile()
         stats.record("compile")
-        write_entry(
-            layer,
-            req.family,
-            req.keyhash,
-            req.key,
-            req.prefix,
-            lambda directory, name: native.export_object(compiled, directory, name, req.prefix),
-        )
+        try:
+            abi = write_entry(
+                layer,
+                req.family,
+                req.keyhash,
+                req.key,
+                req.prefix,
+                lambda directory, name: native.export_object(compiled, directory, name, req.prefix),
+            )
+        except ExportError as exc:
+            stats.record_seconds("compile", time.perf_counter() - start)
+            return _compile_uncached(req, exc, compiled=compiled, load=load)
         stats.record("export")
         stats.record_seconds("compile", time.perf_counter() - start)
+    if req.config.max_size is not None:
+        _bound_size(layer, req)
     if not load:
         return _noop_kernel
-    abi = json.loads(layer.sidecar_path(req.family, req.keyhash).read_text())["abi"]
     return KernelHandle(FastLauncher(compiled, abi), req.keyhash)
+
+
+def _writable_trusted(req: Request) -> bool:
+    """Whether the writable layer may be read and written (one stat); warns once if not."""
+    problem = writable_problem(req.config.writable_dir)
+    if not problem:
+        return True
+    warned = ("trust", str(req.config.writable_dir), problem)
+    if warned not in _WARNED:
+        _WARNED.add(warned)
+        log.warning("%s; bypassing it: nothing is loaded from it and compiles are not cached", problem)
+    return False
+
+
+def _compile_uncached(
+    req: Request, error: ExportError | None, *, compiled: Any = None, load: bool = True
+) -> Callable[..., Any]:
+    """Use a compiled kernel without caching it: the writable layer is untrusted
+    (``error`` None) or could not be written (``error``, warned once).
+    Compile-only mode raises instead: exporting is all it is for."""
+    if error is not None:
+        if not load:
+            raise CacheError(f"compile-only mode could not export {req.function}: {error}") from error
+        warned = ("export", str(req.config.writable_dir), type(error.__cause__).__name__)
+        if warned not in _WARNED:
+            _WARNED.add(warned)
+            log.warning("%s; using the compiled kernel without caching it", error)
+    if compiled is None:
+        start = time.perf_counter()
+        compiled = req.compile()
+        stats.record("compile")
+        stats.record_seconds("compile", time.perf_counter() - start)
+    abi = error.abi if error is not None else None
+    if abi is None:
+        abi = _abi_of(compiled, req)
+    return KernelHandle(FastLauncher(compiled, abi), req.keyhash)
+
+
+def _abi_of(compiled: Any, req: Request) -> list:
+    """The argument layout of a compiled kernel, read from an export into a
+    private temporary directory (the header is where the layout comes from)."""
+    try:
+        with tempfile.TemporaryDirectory(prefix="quack-abi-") as tmp:
+            native.export_object(compiled, Path(tmp), req.keyhash, req.prefix)
+            return parse_abi((Path(tmp) / f"{req.keyhash}.h").read_text(), req.prefix)
+    except OSError as exc:
+        raise CacheError(f"cannot use {req.function} uncached: exporting it failed ({exc})") from exc
+
+
+def _bound_size(layer: Layer, req: Request) -> None:
+    """``QUACK_CACHE_MAX_SIZE``: evict least recently used entries after an export."""
+    from . import maintenance
+
+    try:
+        removed, _ = maintenance.prune(layer, req.config.max_size, keep=[(req.family, req.keyhash)])
+    except OSError as exc:
+        log.warning("could not bound the cache %s to QUACK_CACHE_MAX_SIZE: %s", layer.root, exc)
+        return
+    if removed:
+        log.info("evicted %d entries from %s (QUACK_CACHE_MAX_SIZE)", len(removed), layer.root)
 
 
 def _report_bad(layer: Layer, req: Request, problem: str) -> None:
