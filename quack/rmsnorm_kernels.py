@@ -231,10 +231,16 @@ class RMSNormBackward:
             tWpW = rowwise.copy_predicate(tWcW, None, n, check_cols)
             atom_w = rowwise.vector_atom(mW.element_type, cfg)
 
-        tXrDw = None
+        tXsDw = None
         if const_expr(mDwPartial is not None):
-            tXrDw = cute.make_rmem_tensor(tWcW.shape, Float32)
-            tXrDw.fill(0.0)
+            # The dw accumulator lives in shared memory, not registers: each
+            # thread only ever touches its own slots, so no barrier is needed,
+            # and the registers go to x, dy and the prefetched tile.
+            sDw = smem.allocate_tensor(
+                Float32, cute.make_ordered_layout(cfg.tiler, order=(1, 0)), byte_alignment=16
+            )
+            tXsDw = thr.partition_D(sDw)
+            tXsDw.fill(0.0)
 
         if const_expr(cfg.cluster_n > 1):
             cute.arch.cluster_wait()
@@ -288,7 +294,7 @@ class RMSNormBackward:
             tXrDx.store(dx.to(mDx.element_type))
             rowwise.store_row(atom_dx, tXrDx, tXgDx, tXpX)
             if const_expr(mDwPartial is not None):
-                tXrDw.store(tXrDw.load() + dy * x_hat)
+                tXsDw.store(tXsDw.load() + dy * x_hat)
             if const_expr(self.prefetch):
                 tXrX.store(tXrXn.load())
                 tXrDy.store(tXrDyn.load())
@@ -304,4 +310,6 @@ class RMSNormBackward:
             tXpDw = rowwise.copy_predicate(
                 thr.partition_S(cDw), mDwPartial.shape[0], n, check_cols
             )
+            tXrDw = cute.make_rmem_tensor_like(tXsDw)
+            tXrDw.store(tXsDw.load())
             rowwise.store_row(rowwise.vector_atom(Float32, cfg), tXrDw, tXgDw, tXpDw)
