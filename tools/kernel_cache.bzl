@@ -136,3 +136,51 @@ def kernel_caches(*, name, families = KERNEL_FAMILIES, shared_srcs, family_srcs,
         name = name,
         caches = [":%s_%s" % (name, family) for family in families],
     )
+
+# Runs quack.cache's bundler without importing the `quack` package itself (whose __init__ imports
+# every kernel family, torch and the CuTe DSL): the cache subpackage needs the standard library only.
+_BUNDLER = ("import sys, types; q = types.ModuleType('quack'); q.__path__ = ['quack']; " +
+            "sys.modules['quack'] = q; from quack.cache.cli import main; " +
+            "sys.exit(main(['bundle'] + sys.argv[1:]))")
+
+def _kernel_cache_bundle_impl(ctx):
+    out = ctx.actions.declare_file(ctx.attr.name + ".tar")
+    runtime = ctx.toolchains[_PY_TOOLCHAIN].py3_runtime
+    if not runtime.interpreter:
+        fail("kernel_cache_bundle needs a Python toolchain with an in-build interpreter (@quack_python)")
+    dirs = depset(transitive = [dep[KernelCacheInfo].dirs for dep in ctx.attr.caches])
+
+    args = ctx.actions.args()
+    args.add("-c")
+    args.add(_BUNDLER)
+    args.add(out, format = "--out=%s")
+    args.add_all(dirs, expand_directories = False)
+
+    ctx.actions.run(
+        executable = runtime.interpreter,
+        arguments = [args],
+        inputs = depset(ctx.files.srcs, transitive = [dirs, runtime.files]),
+        outputs = [out],
+        env = {
+            "PYTHONDONTWRITEBYTECODE": "1",
+            "PYTHONHASHSEED": "0",
+            "PYTHONPATH": ".",  # the execroot: quack/cache/
+            "QUACK_REQUIRE_PINNED_ENV": "1",
+        },
+        mnemonic = "QuackCacheBundle",
+        progress_message = "Bundling kernel caches into %{output}",
+    )
+    return [DefaultInfo(files = depset([out]))]
+
+kernel_cache_bundle = rule(
+    implementation = _kernel_cache_bundle_impl,
+    doc = """One deterministic tar of kernel caches: `python -m quack.cache bundle` over their directories.
+
+    Byte-identical for identical caches (sorted members, fixed metadata); install it anywhere with
+    `python -m quack.cache install <name>.tar --into DIR`.""",
+    attrs = {
+        "caches": attr.label_list(mandatory = True, providers = [KernelCacheInfo], doc = "kernel_cache or kernel_cache_set targets."),
+        "srcs": attr.label_list(mandatory = True, allow_files = [".py"], doc = "The quack/cache/ modules (the bundler)."),
+    },
+    toolchains = [_PY_TOOLCHAIN],
+)

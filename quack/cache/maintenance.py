@@ -96,16 +96,21 @@ def scan(layer: Layer) -> list[Entry]:
     return [entries[k] for k in sorted(entries)]
 
 
-def check(entry: Entry) -> str:
-    """What is wrong with an entry on its own (``""``: nothing); reads the object."""
+def check(entry: Entry, *, confine: bool = True) -> str:
+    """What is wrong with an entry on its own (``""``: nothing); reads the object.
+
+    ``confine``: the entry's files must resolve inside the layer's real root
+    (as the cache requires before loading).
+    """
     if entry.object is None:
         return "sidecar without object"
     if entry.sidecar is None:
         return "object without sidecar"
-    root = Path(os.path.realpath(entry.layer.root))
-    for path in (entry.object, entry.sidecar):
-        if not Path(os.path.realpath(path)).is_relative_to(root):
-            return "entry resolves outside its layer"
+    if confine:
+        root = Path(os.path.realpath(entry.layer.root))
+        for path in (entry.object, entry.sidecar):
+            if not Path(os.path.realpath(path)).is_relative_to(root):
+                return "entry resolves outside its layer"
     try:
         meta = json.loads(entry.sidecar.read_text())
     except (OSError, ValueError) as exc:
