@@ -99,6 +99,7 @@ def is_compile_only() -> bool:
     """Whether compile-only mode is active here (live; safe at any call site).
 
     Prefer it to ``from quack.cache import COMPILE_ONLY``, which copies the value
-    once at import time.
+    once at import time.  False while torch.compile traces: the ops then go
+    through the registered custom ops, and Dynamo cannot trace ``ContextVar.get``.
     """
-    return _COMPILE_ONLY_DEPTH.get() > 0
+    return not torch.compiler.is_compiling() and _COMPILE_ONLY_DEPTH.get() > 0

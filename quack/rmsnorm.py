@@ -89,23 +89,6 @@ def compile_rmsnorm_bwd(dtype: str, weight_dtype: Optional[str], has_dh_out: boo
     )
 
 
-def _vec(n: int, x: torch.Tensor, *others: Optional[torch.Tensor]) -> int:
-    """Elements per vector copy of x's rows that every tensor of the launch can use."""
-    present = (x, *(t for t in others if t is not None))
-    if not is_compile_only():
-        # The usual case, cheaply: every base 16-byte aligned.
-        addresses = 0
-        for t in present:
-            addresses |= t.data_ptr()
-        if not addresses & 15:
-            return _FULL_VEC[x.element_size()][n % 8]
-    return rowwise.vector_width(n, x.element_size(), *((ti.address(t), t.element_size()) for t in present))
-
-
-# (element bytes, N mod 8) -> elements per 16-byte-aligned vector copy.
-_FULL_VEC = {size: [math.gcd(r or 8, 16 // size) for r in range(8)] for size in (2, 4)}
-
-
 @cute_op("quack::rmsnorm_fwd", mutates_args=("out", "residual_out", "rstd"))
 def _rmsnorm_fwd(
     x: torch.Tensor,
@@ -118,7 +101,7 @@ def _rmsnorm_fwd(
 ) -> None:
     """Launch the forward kernel on 2-D (M, N) tensors."""
     n = x.shape[1]
-    vec = _vec(n, x, weight, residual, out, residual_out)
+    vec = ti.vector_width(n, x, weight, residual, out, residual_out)
     kernel = compile_rmsnorm_fwd(
         ti.dtype_name(x.dtype),
         ti.dtype_name(weight.dtype) if weight is not None else None,
@@ -144,7 +127,7 @@ def _rmsnorm_bwd(
     """Launch the persistent backward kernel over ``num_ctas`` CTAs (clusters)."""
     n = x.shape[1]
     # dw_partial is allocated 16-byte aligned: it never narrows the vectors.
-    vec = _vec(n, x, weight, dy, dh_out, dx)
+    vec = ti.vector_width(n, x, weight, dy, dh_out, dx)
     kernel = compile_rmsnorm_bwd(
         ti.dtype_name(x.dtype),
         ti.dtype_name(weight.dtype) if weight is not None else None,
@@ -203,7 +186,7 @@ def rmsnorm_bwd(h, weight, dy, rstd, dh_out=None):
     m = h2.shape[0]
     dx = torch.empty_like(h)
     dx2 = ti.as_rows(dx, n)
-    cfg = backward_config(n, _vec(n, h2, weight, dy2, dh2, dx2))
+    cfg = backward_config(n, ti.vector_width(n, h2, weight, dy2, dh2, dx2))
     clusters = ti.sm_count(h.device.index or 0) * max(1, 1024 // cfg.threads) // cfg.cluster_n
     num_ctas = max(1, min(math.ceil(m / cfg.rows_per_cta), clusters))
     dw_partial = None

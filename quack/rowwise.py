@@ -323,3 +323,22 @@ def row_reduce(
             if lane + i < slots:
                 total += buffer[row_in_cta, lane + i]
         return cute.arch.warp_reduction(total, lambda a, b: a + b, threads_in_group=32)
+
+
+def row_tiles(cfg: RowConfig, tile_m, tile_n, *tensors):
+    """Slice each (M, N) tensor to the (rows_per_cta, cols_per_cta) tile
+    (``tile_m``, ``tile_n``); None stays None."""
+    return [
+        cute.local_tile(t, cfg.tiler, (tile_m, tile_n)) if t is not None else None
+        for t in tensors
+    ]
+
+
+def column_mask(tXcX: cute.Tensor, n) -> cute.Tensor:
+    """One Boolean per element of a thread's slice: is its column < N?  For
+    values that must be zero in padded columns after a shift (a centred x).
+    Plain Python, traced inline, like ``copy_predicate``."""
+    mask = cute.make_rmem_tensor(tXcX.shape, Boolean)
+    for i in range(cute.size(mask)):
+        mask[i] = cute.elem_less(tXcX[i][1], n)
+    return mask

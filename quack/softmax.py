@@ -16,7 +16,6 @@ Test: ``pytest tests/test_softmax.py``; benchmark: ``python tools/bench/softmax.
 
 from __future__ import annotations
 
-import math
 
 import cutlass.cute as cute
 import torch
@@ -75,23 +74,11 @@ def compile_softmax_bwd(dtype: str, n: int, vec: int):
     )
 
 
-def _vec(n: int, *tensors: torch.Tensor) -> int:
-    """Elements per vector copy that every tensor of the launch can use."""
-    x = tensors[0]
-    if not is_compile_only():
-        addresses = 0
-        for t in tensors:
-            addresses |= t.data_ptr()
-        if not addresses & 15:
-            return math.gcd(n, 16 // x.element_size())
-    return rowwise.vector_width(n, x.element_size(), *((ti.address(t), t.element_size()) for t in tensors))
-
-
 @cute_op("quack::softmax_fwd", mutates_args=("out",))
 def _softmax_fwd(x: torch.Tensor, out: torch.Tensor) -> None:
     """Launch the forward kernel on 2-D (M, N) tensors."""
     n = x.shape[1]
-    kernel = compile_softmax_fwd(ti.dtype_name(x.dtype), n, _vec(n, x, out))
+    kernel = compile_softmax_fwd(ti.dtype_name(x.dtype), n, ti.vector_width(n, x, out))
     kernel(x, out, ti.current_stream(x.device))
 
 
@@ -99,7 +86,7 @@ def _softmax_fwd(x: torch.Tensor, out: torch.Tensor) -> None:
 def _softmax_bwd(y: torch.Tensor, dy: torch.Tensor, dx: torch.Tensor) -> None:
     """Launch the backward kernel on 2-D (M, N) tensors."""
     n = y.shape[1]
-    kernel = compile_softmax_bwd(ti.dtype_name(y.dtype), n, _vec(n, y, dy, dx))
+    kernel = compile_softmax_bwd(ti.dtype_name(y.dtype), n, ti.vector_width(n, y, dy, dx))
     kernel(y, dy, dx, ti.current_stream(y.device))
 
 

@@ -65,7 +65,7 @@ class SoftmaxForward:
         if const_expr(cfg.cluster_n > 1):
             cute.arch.cluster_arrive_relaxed()
 
-        smem = cutlass.utils.SmemAllocator()
+        smem = cutlass.memory.SmemAllocator()
         # Stage 0: the max; stage 1: the sum.
         sRed = smem.allocate_tensor(
             Float32, rowwise.reduction_buffer_layout(cfg, stages=2), byte_alignment=8
@@ -122,7 +122,7 @@ class SoftmaxBackward:
         if const_expr(cfg.cluster_n > 1):
             cute.arch.cluster_arrive_relaxed()
 
-        smem = cutlass.utils.SmemAllocator()
+        smem = cutlass.memory.SmemAllocator()
         sRed = smem.allocate_tensor(Float32, rowwise.reduction_buffer_layout(cfg), byte_alignment=8)
         m, n = mY.shape[0], mY.shape[1]
         gY = cute.local_tile(mY, cfg.tiler, (bidx, rank))

@@ -6,9 +6,12 @@ before any launch: dtype (TypeError), device, shape and layout (ValueError).
 
 from __future__ import annotations
 
+import math
+
 import torch
 from cutlass import BFloat16, Float16, Float32
 
+from quack import rowwise
 from quack.compile_only import is_compile_only
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -28,6 +31,21 @@ def dtype_name(dtype: torch.dtype) -> str:
 def cute_dtype(name: str):
     """CuTe DSL numeric type for a key dtype name."""
     return _CUTE_DTYPES[name]
+
+
+def vector_width(n: int, x: torch.Tensor, *others: torch.Tensor | None) -> int:
+    """Elements per vector copy of x's rows that every tensor of the launch
+    (None entries skipped) can use: 16 bytes of x's dtype when N and every
+    base pointer allow it, fewer otherwise (see rowwise.vector_width)."""
+    present = (x, *(t for t in others if t is not None))
+    if not is_compile_only() and not torch.compiler.is_compiling():
+        # The usual case, cheaply: real tensors, every base 16-byte aligned.
+        addresses = 0
+        for t in present:
+            addresses |= t.data_ptr()
+        if not addresses & 15:
+            return math.gcd(n, 16 // x.element_size())
+    return rowwise.vector_width(n, x.element_size(), *((address(t), t.element_size()) for t in present))
 
 
 def address(t: torch.Tensor) -> int:

@@ -61,7 +61,8 @@ def test_backward(n, dtype):
 def test_large_and_masked_values():
     # Large offsets (the max subtraction matters) and -inf entries (masked logits).
     x = _x(9, 3000, torch.float32) + 1000.0
-    x[:, ::7] = float("-inf")
+    masked = torch.arange(3000, device="cuda") % 7 == 0
+    x = torch.where(masked, float("-inf"), x)
     torch.testing.assert_close(quack.softmax(x), softmax_ref(x), atol=1e-5, rtol=1e-4)
 
 

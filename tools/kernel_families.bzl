@@ -6,5 +6,8 @@ families' actions; tests/BUILD.bazel makes its test a GPU test that consumes the
 """
 
 KERNEL_FAMILIES = [
+    "cross_entropy",
+    "layernorm",
     "rmsnorm",
+    "softmax",
 ]

@@ -53,8 +53,53 @@ def _warm_rmsnorm(cfg: dict) -> None:
     quack.rmsnorm(x, w, residual=r)
 
 
+def _warm_softmax(cfg: dict) -> None:
+    import torch
+
+    import quack
+
+    x = torch.empty(tuple(cfg["shape"]), device="cuda", dtype=getattr(torch, cfg["dtype"]),
+                    requires_grad=bool(cfg.get("grad", False)))
+    quack.softmax(x)
+
+
+def _warm_cross_entropy(cfg: dict) -> None:
+    import torch
+
+    import quack
+
+    shape = tuple(cfg["shape"])
+    logits = torch.empty(shape, device="cuda", dtype=getattr(torch, cfg["dtype"]),
+                         requires_grad=bool(cfg.get("grad", False)))
+    target = torch.zeros(shape[:-1], device="cuda", dtype=getattr(torch, cfg.get("target_dtype", "int64")))
+    quack.cross_entropy(logits, target)
+
+
+def _warm_layernorm(cfg: dict) -> None:
+    import torch
+
+    import quack
+
+    dtype = getattr(torch, cfg["dtype"])
+    shape = tuple(cfg["shape"])
+    grad = bool(cfg.get("grad", False))
+    x = torch.empty(shape, device="cuda", dtype=dtype, requires_grad=grad)
+    w = b = None
+    if cfg.get("weight_dtype"):
+        w = torch.empty(shape[-1], device="cuda", dtype=getattr(torch, cfg["weight_dtype"]),
+                        requires_grad=grad)
+        if cfg.get("bias", True):
+            b = torch.empty_like(w, requires_grad=grad)
+    quack.layernorm(x, w, b)
+
+
 # op name in the manifest -> (family, function that makes the calls)
-WARMERS = {"rmsnorm": ("rmsnorm", _warm_rmsnorm)}
+WARMERS = {
+    "rmsnorm": ("rmsnorm", _warm_rmsnorm),
+    "softmax": ("softmax", _warm_softmax),
+    "cross_entropy": ("cross_entropy", _warm_cross_entropy),
+    "layernorm": ("layernorm", _warm_layernorm),
+}
 
 
 def warm_configs(path: Path, families: set[str]) -> int:
@@ -71,8 +116,11 @@ def warm_configs(path: Path, families: set[str]) -> int:
         if families and family not in families:
             continue
         logging.info("config %d/%d: %s", i + 1, len(entries), json.dumps(cfg, sort_keys=True))
-        with compile_only_mode():
-            warm(cfg)
+        # A training configuration is also evaluated without grad, which can
+        # use other kernels (no saved statistics): warm both.
+        for grad in (True, False) if cfg.get("grad") else (False,):
+            with compile_only_mode():
+                warm({**cfg, "grad": grad})
         done += 1
     return done
 

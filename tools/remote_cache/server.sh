@@ -6,7 +6,7 @@
 #   tools/remote_cache/server.sh stop DIR
 #   tools/remote_cache/server.sh url DIR      # the --remote_cache URL of a running server
 #   tools/remote_cache/server.sh status DIR   # exit 0 when running
-#   tools/remote_cache/server.sh stats DIR    # requests and bytes from the access log
+#   tools/remote_cache/server.sh stats DIR [--from LINE]  # requests and bytes (access log)
 #
 # start prints the URL (http://127.0.0.1:PORT/cache) on stdout once the server answers a PUT and
 # a GET. Then: tools/bazel build --config=remote --remote_cache=URL //quack:warm_cache, or put
@@ -57,13 +57,14 @@ ensure_nginx() {
 }
 
 http_code() { # METHOD URL [FILE]
-  local method=$1 url=$2 file=${3:-}
+  local method=$1 url=$2 file=${3:-} code
   if command -v curl >/dev/null; then
     if [[ -n "$file" ]]; then
-      curl -s -o /dev/null -w '%{http_code}' --max-time 5 -X "$method" --data-binary "@$file" "$url" || echo 000
+      code=$(curl -s -o /dev/null -w '%{http_code}' --max-time 5 -X "$method" --data-binary "@$file" "$url") || true
     else
-      curl -s -o /dev/null -w '%{http_code}' --max-time 5 -X "$method" "$url" || echo 000
+      code=$(curl -s -o /dev/null -w '%{http_code}' --max-time 5 -X "$method" "$url") || true
     fi
+    echo "${code:-000}"
   else
     python3 - "$method" "$url" "$file" <<'PY'
 import sys, urllib.request, urllib.error
@@ -183,8 +184,11 @@ status)
   fi
   ;;
 stats)
-  # GET 200 = hit, GET 404 = miss, PUT 201/204 = upload; bytes from the access log.
-  awk '
+  # GET 200 = hit, GET 404 = miss, PUT 201/204 = upload; bytes from the access log, from line
+  # --from (1-based) on: a caller notes `wc -l < DIR/server/access.log` before a step.
+  from=1
+  [[ "${1:-}" == --from ]] && from=$2
+  tail -n "+$from" "$srv/access.log" 2>/dev/null | awk '
     $3 !~ "^/cache/(ac|cas)/" { next }
     $2 == "GET" && $4 == 200 { hits++; down += $5 }
     $2 == "GET" && $4 == 404 { miss++ }
@@ -192,8 +196,7 @@ stats)
     $2 == "PUT" && ($4 == 201 || $4 == 204) { puts++; up += $6 }
     $4 >= 500 { err++ }
     END { printf "GET hits %d (%d bytes), GET misses %d, HEAD %d, PUT %d (%d bytes), 5xx %d\n",
-          hits, down, miss, head, puts, up, err }' "$srv/access.log" 2>/dev/null ||
-    echo "no access log"
+          hits, down, miss, head, puts, up, err }'
   ;;
 *)
   usage

@@ -1,0 +1,299 @@
+"""Cross-entropy as a cached, torch-callable op:
+``quack.cross_entropy(logits, target, ignore_index=-100, reduction="mean")``.
+
+    loss[i] = logsumexp(logits[i]) - logits[i, target[i]]
+
+over the last dimension of the logits (shape (..., N), N up to 262144,
+float32/float16/bfloat16; target of shape (...), int32 or int64), reduced
+like ``torch.nn.functional.cross_entropy``: "mean" over the rows whose target
+is not ``ignore_index``, "sum", or "none" (per-row losses, 0 for ignored rows).
+Autograd gives the gradient of the logits.
+
+Targets outside [0, N) that are not ``ignore_index`` are never read out of
+bounds: the kernel gives that row a NaN loss (and NaN gradients).  Checking
+mode raises instead: ``check_targets=True``, or ``QUACK_CHECK_TARGETS=1`` in
+the environment, makes the call validate the targets first and raise a
+ValueError naming the first bad row (this reads the targets back to the host,
+a synchronisation, so it is off by default).
+
+The kernels live in ``quack/cross_entropy_kernels.py``; this file holds the
+cached compile functions (their arguments are the object key), the
+``@cute_op`` ops, the allocating wrappers, the autograd Function, the public
+function and the fp32 reference ``cross_entropy_ref`` that tests import.
+
+Test: ``pytest tests/test_cross_entropy.py``; benchmark:
+``python tools/bench/cross_entropy.py``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Optional
+
+import cutlass.cute as cute
+import torch
+from cutlass import Float32, Int32
+
+from quack import rowwise
+from quack import torch_interop as ti
+from quack.cache import compile_options, jit_cache
+from quack.compile_only import is_compile_only
+from quack.cross_entropy_kernels import CrossEntropyBackward, CrossEntropyForward
+from quack.cute_op import cute_op
+from quack.rowwise import RowConfig
+
+MAX_N = 262144
+REDUCTIONS = ("mean", "sum", "none")
+TARGET_DTYPES = (torch.int32, torch.int64)
+# Environment switch for target checking (see the module docstring).
+CHECK_TARGETS_ENV = "QUACK_CHECK_TARGETS"
+# The forward holds x and its exponentials in registers, as the softmax
+# forward does (see quack/softmax.py for the budgets).
+FORWARD_VALUES_PER_THREAD = 64
+FORWARD_VALUES_PER_THREAD_LONG_16BIT = 128
+# Backward: values per thread of one column tile (no reduction, so tiles are
+# independent CTAs; small tiles keep many loads in flight).
+BACKWARD_VALUES_PER_THREAD = 32
+BACKWARD_THREADS = 256
+
+_CUTE_INT = {"int32": cute.Int32, "int64": cute.Int64}
+
+
+def forward_config(n: int, vec: int, element_bytes: int) -> RowConfig:
+    budget = FORWARD_VALUES_PER_THREAD
+    if element_bytes == 2 and n > 65536:
+        budget = FORWARD_VALUES_PER_THREAD_LONG_16BIT
+    return RowConfig.for_row(n, vec, max_values=budget)
+
+
+def backward_config(n: int, vec: int) -> RowConfig:
+    """Column tiles of at most ``BACKWARD_VALUES_PER_THREAD`` values per
+    thread; ``cluster_n`` is the number of column tiles (grid y, no cluster)."""
+    threads = BACKWARD_THREADS
+    threads_per_row = min(threads, max(8, 1 << max(0, (math.ceil(n / 32) - 1).bit_length())))
+    tiles = math.ceil(n / (threads_per_row * BACKWARD_VALUES_PER_THREAD))
+    # Every tile must own at least one vector per thread, or tiles overlap.
+    while tiles > 1 and threads_per_row * tiles * vec > n:
+        tiles -= 1
+    return RowConfig(n, vec, threads, threads_per_row, tiles)
+
+
+@jit_cache("cross_entropy")
+def compile_cross_entropy_fwd(dtype: str, target_dtype: str, n: int, vec: int):
+    """Compile the forward kernel for one static specialisation (M is symbolic)."""
+    dt = ti.cute_dtype(dtype)
+    cfg = forward_config(n, vec, dt.width // 8)
+    m = cute.sym_int()
+    return cute.compile(
+        CrossEntropyForward(cfg), rowwise.fake_rows(dt, m, n, vec),
+        rowwise.fake_vector(_CUTE_INT[target_dtype], m), rowwise.fake_vector(Float32, m),
+        rowwise.fake_vector(Float32, m), Int32(-100), cute.runtime.make_fake_stream(),
+        options=compile_options(),
+    )
+
+
+@jit_cache("cross_entropy")
+def compile_cross_entropy_bwd(dtype: str, target_dtype: str, n: int, vec: int):
+    """Compile the backward kernel (the logits and their gradient share a dtype)."""
+    dt = ti.cute_dtype(dtype)
+    cfg = backward_config(n, vec)
+    m = cute.sym_int()
+    return cute.compile(
+        CrossEntropyBackward(cfg), rowwise.fake_rows(dt, m, n, vec),
+        rowwise.fake_vector(_CUTE_INT[target_dtype], m), rowwise.fake_vector(Float32, m),
+        rowwise.fake_vector(Float32, m), rowwise.fake_rows(dt, m, n, vec), Int32(-100),
+        cute.runtime.make_fake_stream(), options=compile_options(),
+    )
+
+
+@cute_op("quack::cross_entropy_fwd", mutates_args=("loss", "lse"))
+def _cross_entropy_fwd(
+    logits: torch.Tensor, target: torch.Tensor, loss: torch.Tensor, lse: torch.Tensor, ignore_index: int
+) -> None:
+    """Launch the forward kernel: (M, N) logits, (M,) target, loss and lse."""
+    n = logits.shape[1]
+    kernel = compile_cross_entropy_fwd(
+        ti.dtype_name(logits.dtype), ti.dtype_name(target.dtype), n, ti.vector_width(n, logits)
+    )
+    kernel(logits, target, loss, lse, ignore_index, ti.current_stream(logits.device))
+
+
+@cute_op("quack::cross_entropy_bwd", mutates_args=("dx",))
+def _cross_entropy_bwd(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    lse: torch.Tensor,
+    dloss: torch.Tensor,
+    dx: torch.Tensor,
+    ignore_index: int,
+) -> None:
+    """Launch the backward kernel: dloss is the (M,) fp32 gradient of each row's loss."""
+    n = logits.shape[1]
+    kernel = compile_cross_entropy_bwd(
+        ti.dtype_name(logits.dtype), ti.dtype_name(target.dtype), n, ti.vector_width(n, logits, dx)
+    )
+    kernel(logits, target, lse, dloss, dx, ignore_index, ti.current_stream(logits.device))
+
+
+def _validate(logits, target, ignore_index, reduction) -> None:
+    ti.check_float("logits", logits)
+    ti.check_cuda("logits", logits)
+    ti.check_contiguous("logits", logits)
+    if logits.dim() < 1 or logits.shape[-1] == 0:
+        raise ValueError(f"logits must have shape (..., N) with N >= 1, got {tuple(logits.shape)}")
+    if logits.shape[-1] > MAX_N:
+        raise ValueError(f"N = {logits.shape[-1]} is larger than the supported {MAX_N}")
+    ti.check_float("target", target, TARGET_DTYPES)
+    ti.check_cuda("target", target, logits)
+    if tuple(target.shape) != tuple(logits.shape[:-1]):
+        raise ValueError(
+            f"target must have shape {tuple(logits.shape[:-1])} (the logits' leading dims), "
+            f"got {tuple(target.shape)}"
+        )
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+        raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
+    if not -(2**31) <= ignore_index < 2**31:
+        raise ValueError(f"ignore_index {ignore_index} does not fit in 32 bits")
+
+
+def check_targets_in_range(target: torch.Tensor, n: int, ignore_index: int) -> None:
+    """Raise ValueError naming the first row whose target is outside [0, N) and
+    not ``ignore_index``.  Reads the targets back to the host (synchronises)."""
+    flat = target.reshape(-1)
+    bad = (flat != ignore_index) & ((flat < 0) | (flat >= n))
+    if bool(bad.any()):
+        row = int(bad.nonzero()[0, 0])
+        raise ValueError(
+            f"target[{row}] = {int(flat[row])} is outside [0, {n}) and is not "
+            f"ignore_index ({ignore_index})"
+        )
+
+
+def cross_entropy_fwd(logits, target, ignore_index: int = -100):
+    """Allocate and run the forward op: returns (loss, lse), fp32 of shape (M,)."""
+    n = logits.shape[-1]
+    x2 = ti.as_rows(logits, n)
+    t1 = target.reshape(-1).contiguous()
+    m = x2.shape[0]
+    loss = torch.empty(m, device=logits.device, dtype=torch.float32)
+    lse = torch.empty(m, device=logits.device, dtype=torch.float32)
+    if m > 0:
+        _cross_entropy_fwd(x2, t1, loss, lse, ignore_index)
+    return loss, lse
+
+
+def cross_entropy_bwd(logits, target, lse, dloss_rows, ignore_index: int = -100):
+    """Allocate dlogits and run the backward op; ``dloss_rows`` is the (M,)
+    gradient of each row's loss."""
+    n = logits.shape[-1]
+    x2 = ti.as_rows(logits, n)
+    dx = torch.empty_like(logits)
+    if x2.shape[0] > 0:
+        _cross_entropy_bwd(
+            x2, target.reshape(-1).contiguous(), lse, dloss_rows.float().contiguous(),
+            ti.as_rows(dx, n), ignore_index,
+        )
+    return dx
+
+
+def _reduce(loss, target, ignore_index, reduction, dtype):
+    """Apply the reduction to the (M,) fp32 losses; returns (value, count)."""
+    if reduction == "none":
+        return loss.view(target.shape).to(dtype), None
+    if reduction == "sum":
+        return loss.sum().to(dtype), None
+    count = (target != ignore_index).sum()
+    return (loss.sum() / count).to(dtype), count
+
+
+def _row_grads(dloss, m, reduction, count):
+    """The (M,) fp32 gradient of each row's loss from the gradient of the output."""
+    if reduction == "none":
+        return dloss.reshape(m).float().contiguous()
+    g = dloss.float()
+    if reduction == "mean":
+        g = g / count
+    return g.expand(m).contiguous()
+
+
+class _CrossEntropyFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, target, ignore_index, reduction):
+        # Kernels take plain tensors (DLPack refuses ones that require grad).
+        logits = logits.detach()
+        loss, lse = cross_entropy_fwd(logits, target, ignore_index)
+        out, count = _reduce(loss, target, ignore_index, reduction, logits.dtype)
+        ctx.save_for_backward(logits, target, lse, count)
+        ctx.ignore_index, ctx.reduction = ignore_index, reduction
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        logits, target, lse, count = ctx.saved_tensors
+        g = _row_grads(dout, lse.shape[0], ctx.reduction, count)
+        dx = cross_entropy_bwd(logits, target, lse, g, ctx.ignore_index)
+        return dx, None, None, None
+
+
+def _check_env() -> bool:
+    return os.environ.get(CHECK_TARGETS_ENV, "") not in ("", "0")
+
+
+def cross_entropy(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    check_targets: Optional[bool] = None,
+) -> torch.Tensor:
+    """Cross-entropy of ``logits`` (..., N) against class indices ``target`` (...).
+
+    logits: contiguous CUDA float32/float16/bfloat16, N <= 262144.  target:
+    int32/int64 on the same device.  ``reduction``: "mean" (over rows whose
+    target is not ``ignore_index``; NaN when there are none, as in torch),
+    "sum" or "none".  The result has the logits' dtype.  A target outside
+    [0, N) that is not ignore_index gives a NaN loss for its row; with
+    ``check_targets=True`` (default: the ``QUACK_CHECK_TARGETS`` environment
+    variable) the call raises a ValueError naming the row instead.  Raises
+    TypeError for a wrong dtype and ValueError for a wrong device, shape or
+    layout, before any launch.
+    """
+    _validate(logits, target, ignore_index, reduction)
+    if check_targets is None:
+        check_targets = _check_env()
+    compile_only = not torch.compiler.is_compiling() and is_compile_only()
+    if check_targets and not compile_only:
+        check_targets_in_range(target, logits.shape[-1], ignore_index)
+    if compile_only:
+        return _warm(logits, target, ignore_index, reduction)
+    if logits.requires_grad and torch.is_grad_enabled():
+        return _CrossEntropyFunction.apply(logits, target, ignore_index, reduction)
+    loss, _ = cross_entropy_fwd(logits, target, ignore_index)
+    return _reduce(loss, target, ignore_index, reduction, logits.dtype)[0]
+
+
+@torch.no_grad()
+def _warm(logits, target, ignore_index, reduction):
+    """Compile-only: export the forward kernel, and the backward one when the
+    logits require grad (autograd cannot run on fake CUDA tensors with a
+    CPU-only torch, see quack/testing/autograd.py).  No graph is built."""
+    loss, lse = cross_entropy_fwd(logits, target, ignore_index)
+    if logits.requires_grad:
+        cross_entropy_bwd(logits, target, lse, torch.empty_like(lse), ignore_index)
+    return _reduce(loss, target, ignore_index, reduction, logits.dtype)[0]
+
+
+def cross_entropy_ref(logits, target, ignore_index: int = -100, reduction: str = "mean"):
+    """fp32 reference with the same semantics (out-of-range targets not allowed),
+    rounded to the logits' dtype."""
+    n = logits.shape[-1]
+    loss = torch.nn.functional.cross_entropy(
+        logits.float().reshape(-1, n), target.reshape(-1).long(),
+        ignore_index=ignore_index, reduction=reduction,
+    )
+    if reduction == "none":
+        loss = loss.view(target.shape)
+    return loss.to(logits.dtype)

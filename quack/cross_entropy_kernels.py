@@ -1,0 +1,224 @@
+"""Cross-entropy forward and backward kernels (CuTe DSL, sm_90a).
+
+Forward, per row of logits x with target t:
+    lse = max(x) + log(sum(exp(x - max(x)))),   loss = lse - x[t]
+(0 when t is ``ignore_index``; NaN when t lies outside [0, N): that row never
+reads x[t]).  The row is read once into registers, as in the softmax forward
+(max, then sum of exponentials, through ``rowwise.row_reduce``); the thread that
+owns the row's first column also reads t and x[t] from global memory, before
+the reductions so the loads overlap them, and writes loss and lse (fp32).
+
+Backward, per element:  dx = (exp(x - lse) - [col == t]) * g_row,
+with g_row the incoming gradient of the row's loss (already divided by the
+count of counted rows for a mean), 0 for an ignored row and NaN for a row with
+an out-of-range target.  No reduction: the grid is 2-D (row tiles x column
+tiles), each CTA reads its tile of x once and writes dx; ``RowConfig.cluster_n``
+is reused as the number of column tiles and no cluster is launched.
+
+Thread mapping is described in ``quack/rowwise.py``.  Tests:
+tests/test_cross_entropy.py; benchmark: ``python tools/bench/cross_entropy.py``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, Int64, const_expr
+
+from quack import rowwise
+from quack.rowwise import RowConfig
+
+LOG2_E = math.log2(math.e)
+LN_2 = math.log(2.0)
+
+
+@cute.jit
+def _read_target(mTarget: cute.Tensor, row: Int32, ignore_index: Int32, n: cutlass.Constexpr[int]):
+    """(target as Int32, row's gradient/loss mode): mode 0 counted, 1 ignored,
+    2 out of range.  An ignored or out-of-range row gets target -1, which
+    matches no column."""
+    t = Int64(mTarget[row])
+    tgt = Int32(-1)
+    mode = Int32(1)
+    if t != Int64(ignore_index):
+        mode = Int32(2)
+        if t >= Int64(0):
+            if t < Int64(n):
+                mode = Int32(0)
+                tgt = Int32(t)
+    return tgt, mode
+
+
+class CrossEntropyForward:
+    """loss[row] = logsumexp(x[row]) - x[row, target[row]]; also writes lse[row]."""
+
+    def __init__(self, cfg: RowConfig):
+        self.cfg = cfg
+
+    @cute.jit
+    def __call__(
+        self,
+        mX: cute.Tensor,
+        mTarget: cute.Tensor,
+        mLoss: cute.Tensor,
+        mLse: cute.Tensor,
+        ignore_index: Int32,
+        stream: cuda.CUstream,
+    ):
+        cfg = self.cfg
+        copy = rowwise.make_row_copy(mX.element_type, cfg)
+        self.kernel(mX, mTarget, mLoss, mLse, ignore_index, copy).launch(
+            grid=[cute.ceil_div(mX.shape[0], cfg.rows_per_cta), cfg.cluster_n, 1],
+            block=[cfg.threads, 1, 1],
+            cluster=[1, cfg.cluster_n, 1] if const_expr(cfg.cluster_n > 1) else None,
+            stream=stream,
+        )
+
+    @cute.kernel
+    def kernel(
+        self,
+        mX: cute.Tensor,
+        mTarget: cute.Tensor,
+        mLoss: cute.Tensor,
+        mLse: cute.Tensor,
+        ignore_index: Int32,
+        copy: cute.TiledCopy,
+    ):
+        cfg = self.cfg
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        rank = cute.arch.block_idx()[1] if const_expr(cfg.cluster_n > 1) else Int32(0)
+        if const_expr(cfg.cluster_n > 1):
+            cute.arch.cluster_arrive_relaxed()
+
+        smem = cutlass.memory.SmemAllocator()
+        # Stage 0: the max; stage 1: the sum.
+        sRed = smem.allocate_tensor(
+            Float32, rowwise.reduction_buffer_layout(cfg, stages=2), byte_alignment=8
+        )
+        m, n = mX.shape[0], mX.shape[1]
+        gX = cute.local_tile(mX, cfg.tiler, (bidx, rank))
+        gC = cute.local_tile(cute.make_identity_tensor((m, n)), cfg.tiler, (bidx, rank))
+        # gX: (rows_per_cta, cols_per_cta) tile of this CTA
+        thr = copy.get_slice(tidx)
+        tXgX, tXcX = thr.partition_S(gX), thr.partition_S(gC)
+        # tXgX: ((vec), 1, vecs_per_thread) per thread
+        tXpX = rowwise.copy_predicate(tXcX, m, n, not cfg.covers_n_exactly)
+        tXrX = cute.make_rmem_tensor_like(tXgX)
+        rowwise.load_row_filled(
+            rowwise.vector_atom(mX.element_type, cfg), tXgX, tXrX, tXpX, -math.inf
+        )
+
+        # The owner of the row's column 0 (in cluster rank 0) reads the target
+        # logit now, so its load overlaps the reductions.
+        row = tXcX[0][0]
+        owner = (tXcX[0][1] == 0) & (row < m)
+        x_target = Float32(0.0)
+        tgt = Int32(-1)
+        mode = Int32(1)
+        if owner:
+            tgt, mode = _read_target(mTarget, row, ignore_index, cfg.n)
+            if mode == 0:
+                x_target = Float32(mX[row, tgt])
+
+        x = tXrX.load().to(Float32)
+        if const_expr(cfg.cluster_n > 1):
+            cute.arch.cluster_wait()
+        row_max = x.reduce(cute.ReductionOp.MAX, Float32(-math.inf), reduction_profile=0)
+        row_max = rowwise.row_reduce(
+            row_max, "max", sRed[None, None, 0], cfg.threads_per_row, cfg.cluster_n
+        )
+        p = cute.math.exp2(x * LOG2_E - row_max * LOG2_E, fastmath=True)
+        denom = p.reduce(cute.ReductionOp.ADD, Float32(0.0), reduction_profile=0)
+        denom = rowwise.row_reduce(
+            denom, "sum", sRed[None, None, 1], cfg.threads_per_row, cfg.cluster_n
+        )
+        if owner:
+            lse = row_max + cute.math.log2(denom, fastmath=True) * LN_2
+            loss = Float32(0.0)
+            if mode == 0:
+                loss = lse - x_target
+            if mode == 2:
+                loss = Float32(math.nan)
+            mLoss[row] = loss
+            mLse[row] = lse
+
+
+class CrossEntropyBackward:
+    """dx = (softmax(x) - onehot(target)) * dloss_row, from the stored lse."""
+
+    def __init__(self, cfg: RowConfig):
+        self.cfg = cfg
+
+    @cute.jit
+    def __call__(
+        self,
+        mX: cute.Tensor,
+        mTarget: cute.Tensor,
+        mLse: cute.Tensor,
+        mDloss: cute.Tensor,
+        mDx: cute.Tensor,
+        ignore_index: Int32,
+        stream: cuda.CUstream,
+    ):
+        cfg = self.cfg
+        copy = rowwise.make_row_copy(mX.element_type, cfg)
+        self.kernel(mX, mTarget, mLse, mDloss, mDx, ignore_index, copy).launch(
+            grid=[cute.ceil_div(mX.shape[0], cfg.rows_per_cta), cfg.cluster_n, 1],
+            block=[cfg.threads, 1, 1],
+            stream=stream,
+        )
+
+    @cute.kernel
+    def kernel(
+        self,
+        mX: cute.Tensor,
+        mTarget: cute.Tensor,
+        mLse: cute.Tensor,
+        mDloss: cute.Tensor,
+        mDx: cute.Tensor,
+        ignore_index: Int32,
+        copy: cute.TiledCopy,
+    ):
+        cfg = self.cfg
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, bidy, _ = cute.arch.block_idx()
+        m, n = mX.shape[0], mX.shape[1]
+        gX = cute.local_tile(mX, cfg.tiler, (bidx, bidy))
+        gDx = cute.local_tile(mDx, cfg.tiler, (bidx, bidy))
+        gC = cute.local_tile(cute.make_identity_tensor((m, n)), cfg.tiler, (bidx, bidy))
+        # gX: (rows_per_cta, cols_per_cta) tile: row tile bidx, column tile bidy
+        thr = copy.get_slice(tidx)
+        tXgX, tXgDx, tXcX = thr.partition_S(gX), thr.partition_D(gDx), thr.partition_S(gC)
+        # tXgX: ((vec), 1, vecs_per_thread) per thread
+        tXpX = rowwise.copy_predicate(tXcX, m, n, not cfg.covers_n_exactly)
+        tXrX = cute.make_rmem_tensor_like(tXgX)
+        rowwise.load_row(rowwise.vector_atom(mX.element_type, cfg), tXgX, tXrX, tXpX)
+
+        row = tXcX[0][0]
+        lse = Float32(0.0)
+        scale = Float32(0.0)
+        tgt = Int32(-1)
+        mode = Int32(1)
+        if row < m:
+            lse = mLse[row]
+            scale = mDloss[row]
+            tgt, mode = _read_target(mTarget, row, ignore_index, cfg.n)
+            if mode == 1:
+                scale = Float32(0.0)
+            if mode == 2:
+                scale = Float32(math.nan)
+
+        p = cute.math.exp2(tXrX.load().to(Float32) * LOG2_E - lse * LOG2_E, fastmath=True)
+        tXrG = cute.make_rmem_tensor(tXgX.shape, Float32)
+        tXrG.store(p * scale)
+        # Subtract the one-hot term where the column is the target.
+        for i in cutlass.range_constexpr(cute.size(tXrG)):
+            if tXcX[i][1] == tgt:
+                tXrG[i] = tXrG[i] - scale
+        tXrDx = cute.make_rmem_tensor_like(tXgDx)
+        tXrDx.store(tXrG.load().to(mDx.element_type))
+        rowwise.store_row(rowwise.vector_atom(mDx.element_type, cfg), tXrDx, tXgDx, tXpX)

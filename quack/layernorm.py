@@ -1,0 +1,259 @@
+"""LayerNorm as a cached, torch-callable op: ``quack.layernorm(x, weight, bias=None, eps=1e-5)``.
+
+    y = (x - mean(x)) * rsqrt(var(x) + eps) * weight + bias
+
+over the last dimension of x (shape (..., N), N up to 262144, any number of
+rows, float32/float16/bfloat16; the biased variance, as
+``torch.nn.functional.layer_norm``).  weight and bias: (N,), float32 or x's
+dtype, each optional.  Autograd gives gradients for x, weight and bias.
+
+The kernels live in ``quack/layernorm_kernels.py``; this file holds the cached
+compile functions (their arguments are the object key), the ``@cute_op`` ops,
+the allocating wrappers, the autograd Function, the public function and the
+fp32 reference ``layernorm_ref`` that tests import.
+
+Test: ``pytest tests/test_layernorm.py``; benchmark: ``python tools/bench/layernorm.py``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import cutlass.cute as cute
+import torch
+from cutlass import Float32, Int32
+
+from quack import rowwise
+from quack import torch_interop as ti
+from quack.cache import compile_options, jit_cache
+from quack.compile_only import is_compile_only
+from quack.cute_op import cute_op
+from quack.layernorm_kernels import LayerNormBackward, LayerNormForward
+from quack.rowwise import RowConfig
+
+MAX_N = 262144
+# Values of a row each thread holds in registers (see RowConfig.for_row).  The
+# forward matches the RMSNorm forward.  The backward keeps x, dy and two fp32
+# accumulators (dw, db) per value, so it gets the RMSNorm backward's budget.
+FORWARD_VALUES_PER_THREAD = 64
+FORWARD_VALUES_PER_THREAD_LONG_16BIT = 128
+BACKWARD_VALUES_PER_THREAD = 32
+
+
+def forward_config(n: int, vec: int, element_bytes: int) -> RowConfig:
+    budget = FORWARD_VALUES_PER_THREAD
+    if element_bytes == 2 and n > 65536:
+        budget = FORWARD_VALUES_PER_THREAD_LONG_16BIT
+    return RowConfig.for_row(n, vec, max_values=budget)
+
+
+def backward_config(n: int, vec: int) -> RowConfig:
+    return RowConfig.for_row(n, vec, max_values=BACKWARD_VALUES_PER_THREAD)
+
+
+def _fake_param(dtype: Optional[str], n: int, vec: int):
+    return rowwise.fake_vector(ti.cute_dtype(dtype), n, vec) if dtype else None
+
+
+@jit_cache("layernorm")
+def compile_layernorm_fwd(
+    dtype: str, weight_dtype: Optional[str], bias_dtype: Optional[str], n: int, vec: int,
+    store_stats: bool = True,
+):
+    """Compile the forward kernel for one static specialisation (M is symbolic).
+    ``store_stats``: write mean and rstd per row for a backward pass."""
+    dt = ti.cute_dtype(dtype)
+    cfg = forward_config(n, vec, dt.width // 8)
+    m = cute.sym_int()
+    stats = (rowwise.fake_vector(Float32, m), rowwise.fake_vector(Float32, m)) if store_stats else (None, None)
+    return cute.compile(
+        LayerNormForward(cfg), rowwise.fake_rows(dt, m, n, vec), _fake_param(weight_dtype, n, vec),
+        _fake_param(bias_dtype, n, vec), rowwise.fake_rows(dt, m, n, vec), *stats,
+        Float32(0.0), cute.runtime.make_fake_stream(), options=compile_options(),
+    )
+
+
+@jit_cache("layernorm")
+def compile_layernorm_bwd(
+    dtype: str, weight_dtype: Optional[str], has_bias: bool, n: int, vec: int
+):
+    """Compile the backward kernel (dw partials whenever a weight is given, db
+    partials whenever a bias is)."""
+    cfg = backward_config(n, vec)
+    dt = ti.cute_dtype(dtype)
+    m = cute.sym_int()
+    rows = lambda: rowwise.fake_rows(dt, m, n, vec)  # noqa: E731
+    # The dw and db partial buffers share their (symbolic) row count.
+    p = cute.sym_int()
+    dw_partial = rowwise.fake_rows(Float32, p, n, vec) if weight_dtype else None
+    db_partial = rowwise.fake_rows(Float32, p, n, vec) if has_bias else None
+    return cute.compile(
+        LayerNormBackward(cfg), rows(), _fake_param(weight_dtype, n, vec), rows(),
+        rowwise.fake_vector(Float32, m), rowwise.fake_vector(Float32, m), rows(), dw_partial,
+        db_partial, Int32(1), cute.runtime.make_fake_stream(), options=compile_options(),
+    )
+
+
+def _name(t: Optional[torch.Tensor]) -> Optional[str]:
+    return ti.dtype_name(t.dtype) if t is not None else None
+
+
+@cute_op("quack::layernorm_fwd", mutates_args=("out", "mean", "rstd"))
+def _layernorm_fwd(
+    x: torch.Tensor,
+    weight: Optional[torch.Tensor],
+    bias: Optional[torch.Tensor],
+    out: torch.Tensor,
+    mean: Optional[torch.Tensor],
+    rstd: Optional[torch.Tensor],
+    eps: float,
+) -> None:
+    """Launch the forward kernel on 2-D (M, N) tensors."""
+    n = x.shape[1]
+    kernel = compile_layernorm_fwd(
+        ti.dtype_name(x.dtype), _name(weight), _name(bias), n, ti.vector_width(n, x, weight, bias, out),
+        rstd is not None,
+    )
+    kernel(x, weight, bias, out, mean, rstd, eps, ti.current_stream(x.device))
+
+
+@cute_op("quack::layernorm_bwd", mutates_args=("dx", "dw_partial", "db_partial"))
+def _layernorm_bwd(
+    x: torch.Tensor,
+    weight: Optional[torch.Tensor],
+    dy: torch.Tensor,
+    mean: torch.Tensor,
+    rstd: torch.Tensor,
+    dx: torch.Tensor,
+    dw_partial: Optional[torch.Tensor],
+    db_partial: Optional[torch.Tensor],
+    num_ctas: int,
+) -> None:
+    """Launch the persistent backward kernel over ``num_ctas`` CTAs (clusters)."""
+    n = x.shape[1]
+    # The partial buffers are allocated 16-byte aligned: they never narrow the vectors.
+    kernel = compile_layernorm_bwd(
+        ti.dtype_name(x.dtype), _name(weight), db_partial is not None, n, ti.vector_width(n, x, weight, dy, dx)
+    )
+    kernel(x, weight, dy, mean, rstd, dx, dw_partial, db_partial, num_ctas, ti.current_stream(x.device))
+
+
+def _validate(x, weight, bias) -> None:
+    ti.check_float("x", x)
+    ti.check_cuda("x", x)
+    ti.check_contiguous("x", x)
+    if x.dim() < 1 or x.shape[-1] == 0:
+        raise ValueError(f"x must have shape (..., N) with N >= 1, got {tuple(x.shape)}")
+    n = x.shape[-1]
+    if n > MAX_N:
+        raise ValueError(f"N = {n} is larger than the supported {MAX_N}")
+    for name, t in (("weight", weight), ("bias", bias)):
+        if t is None:
+            continue
+        ti.check_float(name, t, (torch.float32, x.dtype))
+        ti.check_cuda(name, t, x)
+        ti.check_contiguous(name, t)
+        if tuple(t.shape) != (n,):
+            raise ValueError(f"{name} must have shape ({n},), got {tuple(t.shape)}")
+
+
+def layernorm_fwd(x, weight=None, bias=None, eps=1e-5, store_stats=True):
+    """Allocate outputs and run the forward op: returns (y, mean, rstd); the
+    statistics are None unless ``store_stats``."""
+    n = x.shape[-1]
+    x2 = ti.as_rows(x, n)
+    out = torch.empty_like(x)
+    mean = rstd = None
+    if store_stats:
+        mean = torch.empty(x2.shape[0], device=x.device, dtype=torch.float32)
+        rstd = torch.empty(x2.shape[0], device=x.device, dtype=torch.float32)
+    if x2.shape[0] > 0:
+        _layernorm_fwd(x2, weight, bias, ti.as_rows(out, n), mean, rstd, eps)
+    return out, mean, rstd
+
+
+def layernorm_bwd(x, weight, dy, mean, rstd, has_bias=False):
+    """Allocate gradients and run the backward op: returns (dx, dweight or
+    None, dbias or None)."""
+    n = x.shape[-1]
+    x2, dy2 = ti.as_rows(x, n), ti.as_rows(dy.contiguous(), n)
+    m = x2.shape[0]
+    dx = torch.empty_like(x)
+    dx2 = ti.as_rows(dx, n)
+    cfg = backward_config(n, ti.vector_width(n, x2, weight, dy2, dx2))
+    clusters = ti.sm_count(x.device.index or 0) * max(1, 1024 // cfg.threads) // cfg.cluster_n
+    num_ctas = max(1, min(math.ceil(m / cfg.rows_per_cta), clusters))
+
+    def partial():
+        return torch.zeros(num_ctas * cfg.rows_per_cta, n, device=x.device, dtype=torch.float32)
+
+    dw_partial = partial() if weight is not None else None
+    db_partial = partial() if has_bias else None
+    if m > 0:
+        _layernorm_bwd(x2, weight, dy2, mean, rstd, dx2, dw_partial, db_partial, num_ctas)
+    dw = dw_partial.sum(0).to(weight.dtype) if weight is not None else None
+    db = db_partial.sum(0) if has_bias else None
+    return dx, dw, db
+
+
+class _LayerNormFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps):
+        # Kernels take plain tensors (DLPack refuses ones that require grad).
+        x, weight, bias = (t.detach() if t is not None else None for t in (x, weight, bias))
+        y, mean, rstd = layernorm_fwd(x, weight, bias, eps)
+        ctx.bias_dtype = bias.dtype if bias is not None else None
+        ctx.save_for_backward(x, weight, mean, rstd)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, mean, rstd = ctx.saved_tensors
+        has_bias = ctx.bias_dtype is not None and ctx.needs_input_grad[2]
+        dx, dw, db = layernorm_bwd(x, weight, dy, mean, rstd, has_bias)
+        if weight is None or not ctx.needs_input_grad[1]:
+            dw = None
+        if db is not None:
+            db = db.to(ctx.bias_dtype)
+        return dx, dw, db, None
+
+
+def layernorm(x, weight=None, bias=None, eps: float = 1e-5):
+    """LayerNorm over the last dimension.
+
+    x: (..., N) contiguous CUDA tensor, float32/float16/bfloat16, N <= 262144.
+    weight, bias: (N,), float32 or x's dtype, each optional.  Returns y like
+    x.  Raises TypeError for a wrong dtype and ValueError for a wrong device,
+    shape or layout, before any launch.
+    """
+    _validate(x, weight, bias)
+    wants_grad = any(t is not None and t.requires_grad for t in (x, weight, bias))
+    if not torch.compiler.is_compiling() and is_compile_only():
+        return _warm(x, weight, bias, eps, wants_grad)
+    if wants_grad and torch.is_grad_enabled():
+        return _LayerNormFunction.apply(x, weight, bias, eps)
+    return layernorm_fwd(x, weight, bias, eps, store_stats=False)[0]
+
+
+@torch.no_grad()
+def _warm(x, weight, bias, eps, wants_grad):
+    """Compile-only: export the forward kernel, and the backward one when an
+    input requires grad (autograd cannot run on fake CUDA tensors with a
+    CPU-only torch, see quack/testing/autograd.py).  The output carries no graph."""
+    y, mean, rstd = layernorm_fwd(x, weight, bias, eps, store_stats=wants_grad)
+    if wants_grad:
+        # The same has_bias as _LayerNormFunction.backward, so the same object.
+        has_bias = bias is not None and bias.requires_grad
+        layernorm_bwd(x, weight, torch.empty_like(y), mean, rstd, has_bias)
+    return y
+
+
+def layernorm_ref(x, weight=None, bias=None, eps: float = 1e-5):
+    """fp32 reference with the same signature, rounded to x's dtype."""
+    y = torch.nn.functional.layer_norm(
+        x.float(), (x.shape[-1],),
+        weight.float() if weight is not None else None,
+        bias.float() if bias is not None else None, eps,
+    )
+    return y.to(x.dtype)

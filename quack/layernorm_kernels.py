@@ -1,0 +1,319 @@
+"""LayerNorm forward and backward kernels (CuTe DSL, sm_90a).
+
+Forward, per row:  mean = sum(x) / N,  xc = x - mean,
+rstd = rsqrt(sum(xc^2) / N + eps),  y = xc * rstd * w + b.
+Each CTA owns ``rows_per_cta`` rows (or, in a cluster, one slice of a row) and
+loads its slice into registers once.  The variance is the two-pass one (the
+centred values are in registers anyway), so it stays accurate for rows with a
+large mean; it costs a second row reduction (a second stage of the reduction
+buffer).  Padded columns are zeroed after centring.  Writes y and, for a
+backward pass, mean and rstd (fp32).
+
+Backward, per row:  x̂ = (x - mean) * rstd,  wdy = dy * w,
+c1 = mean(x̂ * wdy),  c2 = mean(wdy),  dx = (wdy - c2 - x̂ * c1) * rstd.
+The grid is persistent, as in the RMSNorm backward: each CTA (cluster) strides
+over row tiles, accumulates dw += dy * x̂ and db += dy in fp32 registers and
+writes one partial row of each per thread row at the end; the op sums them.
+c1 and c2 are two row reductions, alternating between the two buffer stages.
+
+Thread mapping, cluster sizes and the reduction are described in
+``quack/rowwise.py``.  Tests: tests/test_layernorm.py; benchmark:
+``python tools/bench/layernorm.py``.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, const_expr
+
+from quack import rowwise
+from quack.rowwise import RowConfig
+
+
+def _cluster_rank(cfg: RowConfig):
+    return cute.arch.block_idx()[1] if const_expr(cfg.cluster_n > 1) else Int32(0)
+
+
+def _broadcast_vector(cfg: RowConfig, thr, mV: cute.Tensor, rank):
+    """This thread's slice of an (N,) vector broadcast over the CTA's rows."""
+    gV = cute.local_tile(mV, (cfg.cols_per_cta,), (rank,))
+    gV2 = cute.make_tensor(gV.iterator, cute.make_layout(cfg.tiler, stride=(0, 1)))
+    return thr.partition_S(gV2)
+
+
+class LayerNormForward:
+    """y = (x - mean) * rstd * w + b; also writes mean and rstd when given."""
+
+    def __init__(self, cfg: RowConfig):
+        self.cfg = cfg
+
+    @cute.jit
+    def __call__(
+        self,
+        mX: cute.Tensor,
+        mW: Optional[cute.Tensor],
+        mB: Optional[cute.Tensor],
+        mY: cute.Tensor,
+        mMean: Optional[cute.Tensor],
+        mRstd: Optional[cute.Tensor],
+        eps: Float32,
+        stream: cuda.CUstream,
+    ):
+        cfg = self.cfg
+        copy = rowwise.make_row_copy(mX.element_type, cfg)
+        self.kernel(mX, mW, mB, mY, mMean, mRstd, eps, copy).launch(
+            grid=[cute.ceil_div(mX.shape[0], cfg.rows_per_cta), cfg.cluster_n, 1],
+            block=[cfg.threads, 1, 1],
+            cluster=[1, cfg.cluster_n, 1] if const_expr(cfg.cluster_n > 1) else None,
+            stream=stream,
+        )
+
+    @cute.kernel
+    def kernel(
+        self,
+        mX: cute.Tensor,
+        mW: Optional[cute.Tensor],
+        mB: Optional[cute.Tensor],
+        mY: cute.Tensor,
+        mMean: Optional[cute.Tensor],
+        mRstd: Optional[cute.Tensor],
+        eps: Float32,
+        copy: cute.TiledCopy,
+    ):
+        cfg = self.cfg
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        rank = _cluster_rank(cfg)
+        if const_expr(cfg.cluster_n > 1):
+            cute.arch.cluster_arrive_relaxed()
+
+        smem = cutlass.memory.SmemAllocator()
+        # Stage 0: the sum; stage 1: the sum of squared deviations.
+        sRed = smem.allocate_tensor(
+            Float32, rowwise.reduction_buffer_layout(cfg, stages=2), byte_alignment=8
+        )
+        m, n = mX.shape[0], mX.shape[1]
+        gX, gY, gC = rowwise.row_tiles(cfg, bidx, rank, mX, mY, cute.make_identity_tensor((m, n)))
+        # gX: (rows_per_cta, cols_per_cta) tile of this CTA
+        thr = copy.get_slice(tidx)
+        tXgX, tXgY, tXcX = thr.partition_S(gX), thr.partition_D(gY), thr.partition_S(gC)
+        # tXgX: ((vec), 1, vecs_per_thread) per thread
+        row = tXcX[0][0]
+        tXpX = rowwise.copy_predicate(tXcX, m, n, not cfg.covers_n_exactly)
+
+        tXrX = cute.make_rmem_tensor_like(tXgX)
+        rowwise.load_row(rowwise.vector_atom(mX.element_type, cfg), tXgX, tXrX, tXpX)
+        x = tXrX.load().to(Float32)
+        if const_expr(cfg.cluster_n > 1):
+            cute.arch.cluster_wait()
+        total = x.reduce(cute.ReductionOp.ADD, Float32(0.0), reduction_profile=0)
+        total = rowwise.row_reduce(total, "sum", sRed[None, None, 0], cfg.threads_per_row, cfg.cluster_n)
+        mean = total / cfg.n
+        xc = x - mean
+        if const_expr(not cfg.covers_n_exactly):
+            xc = cute.where(rowwise.column_mask(tXcX, n).load(), xc, Float32(0.0))
+        sq = (xc * xc).reduce(cute.ReductionOp.ADD, Float32(0.0), reduction_profile=0)
+        sq = rowwise.row_reduce(sq, "sum", sRed[None, None, 1], cfg.threads_per_row, cfg.cluster_n)
+        rstd = cute.math.rsqrt(sq / cfg.n + eps, fastmath=True)
+        if tXcX[0][1] == 0 and row < m:
+            if const_expr(mMean is not None):
+                mMean[row] = mean
+            if const_expr(mRstd is not None):
+                mRstd[row] = rstd
+
+        y = xc * rstd
+        if const_expr(mW is not None):
+            tXgW = _broadcast_vector(cfg, thr, mW, rank)
+            tXrW = cute.make_rmem_tensor_like(tXgW)
+            rowwise.load_row(rowwise.vector_atom(mW.element_type, cfg), tXgW, tXrW, tXpX)
+            y = y * tXrW.load().to(Float32)
+        if const_expr(mB is not None):
+            tXgB = _broadcast_vector(cfg, thr, mB, rank)
+            tXrB = cute.make_rmem_tensor_like(tXgB)
+            rowwise.load_row(rowwise.vector_atom(mB.element_type, cfg), tXgB, tXrB, tXpX)
+            y = y + tXrB.load().to(Float32)
+        tXrY = cute.make_rmem_tensor_like(tXgY)
+        tXrY.store(y.to(mY.element_type))
+        rowwise.store_row(rowwise.vector_atom(mY.element_type, cfg), tXrY, tXgY, tXpX)
+
+
+def _input_slices(cfg: RowConfig, thr, tile, rank, mX, mDy):
+    """This thread's x and dy slices of one row tile, their coordinates and
+    copy predicate (rows past M, columns past N masked)."""
+    m, n = mX.shape[0], mX.shape[1]
+    gX, gDy, gC = rowwise.row_tiles(cfg, tile, rank, mX, mDy, cute.make_identity_tensor((m, n)))
+    tXcX = thr.partition_S(gC)
+    pred = rowwise.copy_predicate(tXcX, m, n, not cfg.covers_n_exactly)
+    return thr.partition_S(gX), thr.partition_S(gDy), tXcX, pred
+
+
+class LayerNormBackward:
+    """dx = (dy*w - mean(dy*w) - x̂ * mean(x̂ * dy*w)) * rstd; dw and db partial rows."""
+
+    def __init__(self, cfg: RowConfig):
+        self.cfg = cfg
+        # Load the next row tile during this one's reductions, where they wait
+        # on a cluster barrier (the RMSNorm backward's measured rule).
+        self.prefetch = cfg.cluster_n > 1 and cfg.threads <= 256
+
+    @cute.jit
+    def __call__(
+        self,
+        mX: cute.Tensor,
+        mW: Optional[cute.Tensor],
+        mDy: cute.Tensor,
+        mMean: cute.Tensor,
+        mRstd: cute.Tensor,
+        mDx: cute.Tensor,
+        mDwPartial: Optional[cute.Tensor],
+        mDbPartial: Optional[cute.Tensor],
+        num_ctas: Int32,
+        stream: cuda.CUstream,
+    ):
+        cfg = self.cfg
+        copy = rowwise.make_row_copy(mX.element_type, cfg)
+        self.kernel(mX, mW, mDy, mMean, mRstd, mDx, mDwPartial, mDbPartial, copy).launch(
+            grid=[num_ctas, cfg.cluster_n, 1],
+            block=[cfg.threads, 1, 1],
+            cluster=[1, cfg.cluster_n, 1] if const_expr(cfg.cluster_n > 1) else None,
+            stream=stream,
+        )
+
+    @cute.kernel
+    def kernel(
+        self,
+        mX: cute.Tensor,
+        mW: Optional[cute.Tensor],
+        mDy: cute.Tensor,
+        mMean: cute.Tensor,
+        mRstd: cute.Tensor,
+        mDx: cute.Tensor,
+        mDwPartial: Optional[cute.Tensor],
+        mDbPartial: Optional[cute.Tensor],
+        copy: cute.TiledCopy,
+    ):
+        cfg = self.cfg
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        num_ctas, _, _ = cute.arch.grid_dim()
+        rank = _cluster_rank(cfg)
+        if const_expr(cfg.cluster_n > 1):
+            cute.arch.cluster_arrive_relaxed()
+
+        smem = cutlass.memory.SmemAllocator()
+        # Stage 0: c1, stage 1: c2 of every tile; consecutive reductions
+        # alternate stages, see rowwise.row_reduce.
+        sRed = smem.allocate_tensor(
+            Float32, rowwise.reduction_buffer_layout(cfg, stages=2), byte_alignment=8
+        )
+        m, n = mX.shape[0], mX.shape[1]
+        thr = copy.get_slice(tidx)
+        check_cols = not cfg.covers_n_exactly
+        atom_x = rowwise.vector_atom(mX.element_type, cfg)
+        atom_dy = rowwise.vector_atom(mDy.element_type, cfg)
+        atom_dx = rowwise.vector_atom(mDx.element_type, cfg)
+
+        # The weight slice is re-read from L2 each tile rather than held in
+        # registers across the loop (registers go to x, dy and the accumulators).
+        cW = cute.local_tile(cute.make_identity_tensor((m, n)), cfg.tiler, (0, rank))
+        tWcW = thr.partition_S(cW)
+        if const_expr(mW is not None):
+            tXgW = _broadcast_vector(cfg, thr, mW, rank)
+            tWpW = rowwise.copy_predicate(tWcW, None, n, check_cols)
+            atom_w = rowwise.vector_atom(mW.element_type, cfg)
+
+        # The dw and db accumulators live in shared memory, each thread
+        # owning the slots of its own values (no synchronisation): in
+        # registers, beside x, dy and the weight, they spill at long rows.
+        tXsDw = None
+        if const_expr(mDwPartial is not None):
+            tXsDw = _accumulator(cfg, smem, thr)
+        tXsDb = None
+        if const_expr(mDbPartial is not None):
+            tXsDb = _accumulator(cfg, smem, thr)
+
+        if const_expr(cfg.cluster_n > 1):
+            cute.arch.cluster_wait()
+        num_tiles = cute.ceil_div(m, cfg.rows_per_cta)
+
+        tXgX, tXgDy, _, tXpX = _input_slices(cfg, thr, bidx, rank, mX, mDy)
+        tXrX, tXrDy = cute.make_rmem_tensor_like(tXgX), cute.make_rmem_tensor_like(tXgDy)
+        if const_expr(self.prefetch):
+            tXrXn, tXrDyn = cute.make_rmem_tensor_like(tXgX), cute.make_rmem_tensor_like(tXgDy)
+            rowwise.load_row(atom_x, tXgX, tXrX, tXpX)
+            rowwise.load_row(atom_dy, tXgDy, tXrDy, tXpX)
+        for tile in cutlass.range(bidx, num_tiles, num_ctas):
+            tXgX, tXgDy, tXcX, tXpX = _input_slices(cfg, thr, tile, rank, mX, mDy)
+            if const_expr(not self.prefetch):
+                rowwise.load_row(atom_x, tXgX, tXrX, tXpX)
+                rowwise.load_row(atom_dy, tXgDy, tXrDy, tXpX)
+            row = tXcX[0][0]
+            mean = Float32(0.0)
+            rstd = Float32(0.0)
+            if row < m:
+                mean = mMean[row]
+                rstd = mRstd[row]
+            # Padded columns: x̂ is nonzero there but dy is zero, so they add
+            # nothing to c1, c2, dw or db.
+            x_hat = (tXrX.load().to(Float32) - mean) * rstd
+            dy = tXrDy.load().to(Float32)
+            wdy = dy
+            if const_expr(mW is not None):
+                tXrW = cute.make_rmem_tensor_like(tXgW)
+                rowwise.load_row(atom_w, tXgW, tXrW, tWpW)
+                wdy = dy * tXrW.load().to(Float32)
+            c1 = (x_hat * wdy).reduce(cute.ReductionOp.ADD, Float32(0.0), reduction_profile=0)
+            c2 = wdy.reduce(cute.ReductionOp.ADD, Float32(0.0), reduction_profile=0)
+
+            if const_expr(self.prefetch):
+                tXgXn, tXgDyn, _, tXpXn = _input_slices(cfg, thr, tile + num_ctas, rank, mX, mDy)
+                rowwise.load_row(atom_x, tXgXn, tXrXn, tXpXn)
+                rowwise.load_row(atom_dy, tXgDyn, tXrDyn, tXpXn)
+
+            c1 = rowwise.row_reduce(c1, "sum", sRed[None, None, 0], cfg.threads_per_row, cfg.cluster_n)
+            c2 = rowwise.row_reduce(c2, "sum", sRed[None, None, 1], cfg.threads_per_row, cfg.cluster_n)
+            dx = (wdy - c2 / cfg.n - x_hat * (c1 / cfg.n)) * rstd
+            (gDx,) = rowwise.row_tiles(cfg, tile, rank, mDx)
+            tXgDx = thr.partition_D(gDx)
+            tXrDx = cute.make_rmem_tensor_like(tXgDx)
+            tXrDx.store(dx.to(mDx.element_type))
+            rowwise.store_row(atom_dx, tXrDx, tXgDx, tXpX)
+            if const_expr(mDwPartial is not None):
+                tXsDw.store(tXsDw.load() + dy * x_hat)
+            if const_expr(mDbPartial is not None):
+                tXsDb.store(tXsDb.load() + dy)
+            if const_expr(self.prefetch):
+                tXrX.store(tXrXn.load())
+                tXrDy.store(tXrDyn.load())
+
+        if const_expr(mDwPartial is not None):
+            _store_partial(cfg, thr, bidx, rank, mDwPartial, tXsDw, n, check_cols)
+        if const_expr(mDbPartial is not None):
+            _store_partial(cfg, thr, bidx, rank, mDbPartial, tXsDb, n, check_cols)
+
+
+def _accumulator(cfg: RowConfig, smem, thr):
+    """A zeroed fp32 (rows_per_cta, cols_per_cta) shared tile, partitioned
+    like the thread's row values."""
+    sAcc = smem.allocate_tensor(
+        Float32, cute.make_ordered_layout(cfg.tiler, order=(1, 0)), byte_alignment=16
+    )
+    tXsAcc = thr.partition_D(sAcc)
+    tXsAcc.fill(0.0)
+    return tXsAcc
+
+
+def _store_partial(cfg: RowConfig, thr, bidx, rank, mPartial, tXsAcc, n, check_cols: bool):
+    """Write a CTA's fp32 accumulator to its partial rows (bidx * rows_per_cta
+    + row in CTA) of the (grid * rows_per_cta, N) buffer."""
+    acc = cute.make_rmem_tensor(tXsAcc.shape, Float32)
+    acc.store(tXsAcc.load())
+    gP, cP = rowwise.row_tiles(
+        cfg, bidx, rank, mPartial, cute.make_identity_tensor(mPartial.shape)
+    )
+    pred = rowwise.copy_predicate(thr.partition_S(cP), mPartial.shape[0], n, check_cols)
+    rowwise.store_row(rowwise.vector_atom(Float32, cfg), acc, thr.partition_D(gP), pred)

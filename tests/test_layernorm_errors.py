@@ -1,0 +1,64 @@
+"""LayerNorm input validation: clear errors before any launch (no GPU needed)."""
+
+import pytest
+import torch
+
+import quack
+from quack.compile_only import compile_only_mode
+
+
+def _cuda(*shape, dtype=torch.bfloat16):
+    return torch.empty(*shape, device="cuda", dtype=dtype)
+
+
+@pytest.fixture
+def fake():
+    """Fake CUDA tensors: validation runs before anything touches a device."""
+    with compile_only_mode():
+        yield
+
+
+def test_wrong_dtype(fake):
+    with pytest.raises(TypeError, match="dtype int32"):
+        quack.layernorm(_cuda(4, 8, dtype=torch.int32), _cuda(8))
+
+
+def test_param_dtypes_must_be_fp32_or_input_dtype(fake):
+    with pytest.raises(TypeError, match="weight has dtype float16"):
+        quack.layernorm(_cuda(4, 8), _cuda(8, dtype=torch.float16))
+    with pytest.raises(TypeError, match="bias has dtype float16"):
+        quack.layernorm(_cuda(4, 8), _cuda(8), _cuda(8, dtype=torch.float16))
+
+
+def test_cpu_tensor_rejected():
+    with pytest.raises(ValueError, match="CUDA device"):
+        quack.layernorm(torch.randn(4, 8), torch.ones(8))
+
+
+def test_cpu_bias_rejected(fake):
+    with pytest.raises(ValueError, match="bias must be on a CUDA device"):
+        quack.layernorm(_cuda(4, 8), _cuda(8), torch.zeros(8, dtype=torch.bfloat16, device="cpu"))
+
+
+def test_non_contiguous(fake):
+    with pytest.raises(ValueError, match="contiguous"):
+        quack.layernorm(_cuda(8, 4).t(), _cuda(8))
+
+
+def test_param_shapes(fake):
+    with pytest.raises(ValueError, match=r"weight must have shape \(8,\)"):
+        quack.layernorm(_cuda(4, 8), _cuda(9))
+    with pytest.raises(ValueError, match=r"bias must have shape \(8,\)"):
+        quack.layernorm(_cuda(4, 8), _cuda(8), _cuda(2, 4))
+
+
+def test_too_long_and_empty_rows(fake):
+    with pytest.raises(ValueError, match="larger than the supported"):
+        quack.layernorm(_cuda(1, 262145), None)
+    with pytest.raises(ValueError, match="N >= 1"):
+        quack.layernorm(_cuda(4, 0), None)
+
+
+def test_not_a_tensor():
+    with pytest.raises(TypeError, match="torch.Tensor"):
+        quack.layernorm([1.0, 2.0], None)
