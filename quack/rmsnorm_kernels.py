@@ -4,7 +4,7 @@ Forward, per row of h = x (+ residual):  y = h * rsqrt(mean(h^2) + eps) * w.
 Each CTA owns ``rows_per_cta`` rows (or, in a cluster, one slice of a row),
 loads its slice into registers once (16-byte vector loads where N and the
 pointers allow, element loads for odd N), reduces the sum of squares through
-``rowwise.row_sum`` and writes y, h (when a residual is given) and rstd.
+``rowwise.row_reduce`` and writes y, h (when a residual is given) and rstd.
 
 Backward, per row:  x̂ = h * rstd,  wdy = dy * w,  c = mean(x̂ * wdy),
 dh = (wdy - x̂ * c) * rstd (+ the gradient arriving at the h output).
@@ -132,7 +132,7 @@ class RMSNormForward:
         if const_expr(cfg.cluster_n > 1):
             cute.arch.cluster_wait()
         sum_sq = (h * h).reduce(cute.ReductionOp.ADD, Float32(0.0), reduction_profile=0)
-        sum_sq = rowwise.row_sum(sum_sq, sRed[None, None, 0], cfg.threads_per_row, cfg.cluster_n)
+        sum_sq = rowwise.row_reduce(sum_sq, "sum", sRed[None, None, 0], cfg.threads_per_row, cfg.cluster_n)
         rstd = cute.math.rsqrt(sum_sq / cfg.n + eps, fastmath=True)
         if const_expr(mRstd is not None):
             if tXcX[0][1] == 0 and in_rows:
@@ -213,7 +213,7 @@ class RMSNormBackward:
             cute.arch.cluster_arrive_relaxed()
 
         smem = cutlass.memory.SmemAllocator()
-        # Two stages: consecutive row tiles alternate, see rowwise.row_sum.
+        # Two stages: consecutive row tiles alternate, see rowwise.row_reduce.
         sRed = smem.allocate_tensor(
             Float32, rowwise.reduction_buffer_layout(cfg, stages=2), byte_alignment=8
         )
@@ -287,7 +287,7 @@ class RMSNormBackward:
                 rowwise.load_row(atom_x, tXgXn, tXrXn, tXpXn)
                 rowwise.load_row(atom_dy, tXgDyn, tXrDyn, tXpXn)
 
-            dot = rowwise.row_sum(dot, sRed[None, None, stage], cfg.threads_per_row, cfg.cluster_n)
+            dot = rowwise.row_reduce(dot, "sum", sRed[None, None, stage], cfg.threads_per_row, cfg.cluster_n)
             dx = (wdy - x_hat * (dot / cfg.n)) * rstd
             gDhOut, gDx = _row_tiles(cfg, tile, rank, mDhOut, mDx)
             if const_expr(mDhOut is not None):

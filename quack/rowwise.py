@@ -205,58 +205,6 @@ def reduction_buffer_layout(cfg: RowConfig, stages: int = 1) -> cute.Layout:
     )
 
 
-@cute.jit
-def row_sum(
-    val: Float32,
-    buffer: cute.Tensor,
-    threads_per_row: cutlass.Constexpr[int],
-    cluster_n: cutlass.Constexpr[int],
-) -> Float32:
-    """Sum ``val`` over the threads (and cluster peers) that share a row.
-
-    With a cluster, the kernel must have called ``cluster_arrive_relaxed`` at
-    its start and ``cluster_wait`` before the first call: DSMEM may only be
-    written once every peer CTA runs.
-
-    ``buffer`` is one stage of ``reduction_buffer_layout``: shape
-    (rows_per_cta, (warps_per_row, cluster_n)).  Callers that reduce more than
-    once in a loop alternate between two stages, which together with the
-    barrier here keeps a fast CTA from overwriting slots a slow peer still reads.
-    """
-    val = cute.arch.warp_reduction(
-        val, lambda a, b: a + b, threads_in_group=min(threads_per_row, 32)
-    )
-    if const_expr(threads_per_row <= 32 and cluster_n == 1):
-        return val
-    lane = cute.arch.lane_idx()
-    warp = cute.arch.warp_idx()
-    warps_per_row = const_expr(max(1, threads_per_row // 32))
-    row_in_cta = warp // warps_per_row
-    warp_in_row = warp % warps_per_row
-    if const_expr(cluster_n == 1):
-        if lane == 0:
-            buffer[row_in_cta, (warp_in_row, 0)] = val
-        cute.arch.barrier()
-    else:
-        rank = cute.arch.block_idx_in_cluster()
-        if lane < cluster_n:
-            offset = cute.crd2idx((row_in_cta, (warp_in_row, rank)), buffer.layout)
-            slot = buffer.iterator + offset
-            remote = cute.arch.map_dsmem_ptr(slot, lane)
-            cute.arch.inline_ptx(
-                "st.shared::cluster.f32 [{$r0}], {$r1};",
-                read_only_args=[Int32(remote.toint()), val],
-            )
-        cute.arch.cluster_arrive(aligned=True)
-        cute.arch.cluster_wait()
-    slots = const_expr(warps_per_row * cluster_n)
-    total = Float32(0.0)
-    for i in cutlass.range_constexpr(0, slots, 32):
-        if lane + i < slots:
-            total += buffer[row_in_cta, lane + i]
-    return cute.arch.warp_reduction(total, lambda a, b: a + b, threads_in_group=32)
-
-
 def load_row_filled(atom: cute.CopyAtom, src: cute.Tensor, dst: cute.Tensor, pred: cute.Tensor, fill):
     """Global -> registers; masked vectors read as ``fill`` (e.g. -inf for a
     max or a softmax, where a zero would count as a real value)."""
@@ -272,11 +220,20 @@ def row_reduce(
     threads_per_row: cutlass.Constexpr[int],
     cluster_n: cutlass.Constexpr[int],
 ) -> Float32:
-    """``row_sum`` for ``op`` "sum" or "max": the same lane -> warp -> CTA ->
-    cluster path, with the same preconditions (cluster barrier protocol, one
-    buffer stage per call).  Two reductions in a row (a max, then a sum of
-    exponentials) must use two different stages: the second call's remote
-    stores may otherwise land in slots a slow peer has not read yet."""
+    """Reduce ``val`` ("sum" or "max") over the threads (and cluster peers)
+    that share a row: lane -> warp (shuffles) -> CTA (one shared slot per
+    warp) -> cluster (each warp stores its partial into every peer's slots
+    through DSMEM, then one cluster barrier).
+
+    With a cluster, the kernel must have called ``cluster_arrive_relaxed`` at
+    its start and ``cluster_wait`` before the first call: DSMEM may only be
+    written once every peer CTA runs.
+
+    ``buffer`` is one stage of ``reduction_buffer_layout``: shape
+    (rows_per_cta, (warps_per_row, cluster_n)).  Successive reductions must
+    alternate between two stages (a max then a sum; consecutive row tiles of
+    a loop): together with the barrier here that keeps a fast CTA from
+    overwriting slots a slow peer still reads."""
     if const_expr(op == "max"):
         val = cute.arch.warp_reduction(
             val, lambda a, b: cute.arch.fmax(a, b), threads_in_group=min(threads_per_row, 32)
