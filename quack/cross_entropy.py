@@ -41,7 +41,7 @@ from quack.cache import compile_options, jit_cache
 from quack.compile_only import is_compile_only
 from quack.cross_entropy_kernels import CrossEntropyBackward, CrossEntropyForward
 from quack.cute_op import cute_op
-from quack.rowwise import RowConfig
+from quack.rowwise import RowConfig, forward_config
 
 MAX_N = 262144
 REDUCTIONS = ("mean", "sum", "none")
@@ -49,22 +49,12 @@ TARGET_DTYPES = (torch.int32, torch.int64)
 # Environment switch for target checking (see the module docstring).
 CHECK_TARGETS_ENV = "QUACK_CHECK_TARGETS"
 # The forward holds x and its exponentials in registers, as the softmax
-# forward does (see quack/softmax.py for the budgets).
-FORWARD_VALUES_PER_THREAD = 64
-FORWARD_VALUES_PER_THREAD_LONG_16BIT = 128
-# Backward: values per thread of one column tile (no reduction, so tiles are
+# forward does (rowwise.forward_config).  Backward: values per thread of one column tile (no reduction, so tiles are
 # independent CTAs; small tiles keep many loads in flight).
 BACKWARD_VALUES_PER_THREAD = 32
 BACKWARD_THREADS = 256
 
 _CUTE_INT = {"int32": cute.Int32, "int64": cute.Int64}
-
-
-def forward_config(n: int, vec: int, element_bytes: int) -> RowConfig:
-    budget = FORWARD_VALUES_PER_THREAD
-    if element_bytes == 2 and n > 65536:
-        budget = FORWARD_VALUES_PER_THREAD_LONG_16BIT
-    return RowConfig.for_row(n, vec, max_values=budget)
 
 
 def backward_config(n: int, vec: int) -> RowConfig:

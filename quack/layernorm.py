@@ -30,26 +30,9 @@ from quack.cache import compile_options, jit_cache
 from quack.compile_only import is_compile_only
 from quack.cute_op import cute_op
 from quack.layernorm_kernels import LayerNormBackward, LayerNormForward
-from quack.rowwise import RowConfig
+from quack.rowwise import backward_config, forward_config
 
 MAX_N = 262144
-# Values of a row each thread holds in registers (see RowConfig.for_row).  The
-# forward matches the RMSNorm forward.  The backward keeps x, dy and two fp32
-# accumulators (dw, db) per value, so it gets the RMSNorm backward's budget.
-FORWARD_VALUES_PER_THREAD = 64
-FORWARD_VALUES_PER_THREAD_LONG_16BIT = 128
-BACKWARD_VALUES_PER_THREAD = 32
-
-
-def forward_config(n: int, vec: int, element_bytes: int) -> RowConfig:
-    budget = FORWARD_VALUES_PER_THREAD
-    if element_bytes == 2 and n > 65536:
-        budget = FORWARD_VALUES_PER_THREAD_LONG_16BIT
-    return RowConfig.for_row(n, vec, max_values=budget)
-
-
-def backward_config(n: int, vec: int) -> RowConfig:
-    return RowConfig.for_row(n, vec, max_values=BACKWARD_VALUES_PER_THREAD)
 
 
 def _fake_param(dtype: Optional[str], n: int, vec: int):

@@ -29,28 +29,9 @@ from quack.cache import compile_options, jit_cache
 from quack.compile_only import is_compile_only
 from quack.cute_op import cute_op
 from quack.rmsnorm_kernels import RMSNormBackward, RMSNormForward
-from quack.rowwise import RowConfig
+from quack.rowwise import backward_config, forward_config
 
 MAX_N = 262144
-# Values of a row each thread holds in registers (this decides threads per
-# row and cluster size, see RowConfig.for_row).  The backward keeps x, dy and
-# an fp32 dw accumulator per value: 64 values spill there.  Past 64K columns
-# a 16-bit forward holds 128, halving the cluster (H200, N=256K: 60% of copy
-# with 16-CTA clusters, 69% with 8).
-FORWARD_VALUES_PER_THREAD = 64
-FORWARD_VALUES_PER_THREAD_LONG_16BIT = 128
-BACKWARD_VALUES_PER_THREAD = 32
-
-
-def forward_config(n: int, vec: int, element_bytes: int) -> RowConfig:
-    budget = FORWARD_VALUES_PER_THREAD
-    if element_bytes == 2 and n > 65536:
-        budget = FORWARD_VALUES_PER_THREAD_LONG_16BIT
-    return RowConfig.for_row(n, vec, max_values=budget)
-
-
-def backward_config(n: int, vec: int) -> RowConfig:
-    return RowConfig.for_row(n, vec, max_values=BACKWARD_VALUES_PER_THREAD)
 
 
 @jit_cache("rmsnorm")

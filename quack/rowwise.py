@@ -109,6 +109,30 @@ class RowConfig:
         return self.cols_per_cta * self.cluster_n == self.n
 
 
+# Register budgets of the row-wise kernels (values of a row per thread; they
+# decide threads per row and cluster size through RowConfig.for_row).  A
+# forward holds x (and what it computes from it); past 64K columns a 16-bit
+# row holds 128 values to halve the cluster (H200, RMSNorm at N=256K: 60% of
+# copy with 16-CTA clusters, 69% with 8).  A backward holds x or y, dy and an
+# accumulator per value: 64 values spill there.
+FORWARD_VALUES_PER_THREAD = 64
+FORWARD_VALUES_PER_THREAD_LONG_16BIT = 128
+BACKWARD_VALUES_PER_THREAD = 32
+
+
+def forward_config(n: int, vec: int, element_bytes: int) -> RowConfig:
+    """Launch settings of a row-wise forward kernel."""
+    budget = FORWARD_VALUES_PER_THREAD
+    if element_bytes == 2 and n > 65536:
+        budget = FORWARD_VALUES_PER_THREAD_LONG_16BIT
+    return RowConfig.for_row(n, vec, max_values=budget)
+
+
+def backward_config(n: int, vec: int) -> RowConfig:
+    """Launch settings of a row-wise backward kernel (one reduction per row)."""
+    return RowConfig.for_row(n, vec, max_values=BACKWARD_VALUES_PER_THREAD)
+
+
 def vector_width(n: int, element_bytes: int, *tensors: tuple[int, int]) -> int:
     """Elements per vector copy: the most (at most 16 bytes of the row's dtype)
     that divide N and keep every ``(address, element_bytes)`` tensor aligned

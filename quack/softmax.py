@@ -25,28 +25,10 @@ from quack import torch_interop as ti
 from quack.cache import compile_options, jit_cache
 from quack.compile_only import is_compile_only
 from quack.cute_op import cute_op
-from quack.rowwise import RowConfig
+from quack.rowwise import backward_config, forward_config
 from quack.softmax_kernels import SoftmaxBackward, SoftmaxForward
 
 MAX_N = 262144
-# Values of a row each thread holds in registers (decides threads per row and
-# the cluster size, see RowConfig.for_row).  The forward holds x (and then its
-# exponentials); past 64K columns a 16-bit row holds 128 values per thread to
-# halve the cluster, as the RMSNorm forward does.  The backward holds y and dy.
-FORWARD_VALUES_PER_THREAD = 64
-FORWARD_VALUES_PER_THREAD_LONG_16BIT = 128
-BACKWARD_VALUES_PER_THREAD = 32
-
-
-def forward_config(n: int, vec: int, element_bytes: int) -> RowConfig:
-    budget = FORWARD_VALUES_PER_THREAD
-    if element_bytes == 2 and n > 65536:
-        budget = FORWARD_VALUES_PER_THREAD_LONG_16BIT
-    return RowConfig.for_row(n, vec, max_values=budget)
-
-
-def backward_config(n: int, vec: int) -> RowConfig:
-    return RowConfig.for_row(n, vec, max_values=BACKWARD_VALUES_PER_THREAD)
 
 
 @jit_cache("softmax")
