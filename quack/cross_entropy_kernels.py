@@ -70,11 +70,8 @@ class CrossEntropyForward:
     ):
         cfg = self.cfg
         copy = rowwise.make_row_copy(mX.element_type, cfg)
-        self.kernel(mX, mTarget, mLoss, mLse, ignore_index, copy).launch(
-            grid=[cute.ceil_div(mX.shape[0], cfg.rows_per_cta), cfg.cluster_n, 1],
-            block=[cfg.threads, 1, 1],
-            cluster=[1, cfg.cluster_n, 1] if const_expr(cfg.cluster_n > 1) else None,
-            stream=stream,
+        rowwise.launch_rows(
+            self.kernel(mX, mTarget, mLoss, mLse, ignore_index, copy), cfg, mX.shape[0], stream
         )
 
     @cute.kernel
@@ -90,7 +87,7 @@ class CrossEntropyForward:
         cfg = self.cfg
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
-        rank = cute.arch.block_idx()[1] if const_expr(cfg.cluster_n > 1) else Int32(0)
+        rank = rowwise.cluster_rank(cfg)
         if const_expr(cfg.cluster_n > 1):
             cute.arch.cluster_arrive_relaxed()
 

@@ -34,17 +34,6 @@ from quack import rowwise
 from quack.rowwise import RowConfig
 
 
-def _cluster_rank(cfg: RowConfig):
-    return cute.arch.block_idx()[1] if const_expr(cfg.cluster_n > 1) else Int32(0)
-
-
-def _broadcast_vector(cfg: RowConfig, thr, mV: cute.Tensor, rank):
-    """This thread's slice of an (N,) vector broadcast over the CTA's rows."""
-    gV = cute.local_tile(mV, (cfg.cols_per_cta,), (rank,))
-    gV2 = cute.make_tensor(gV.iterator, cute.make_layout(cfg.tiler, stride=(0, 1)))
-    return thr.partition_S(gV2)
-
-
 class LayerNormForward:
     """y = (x - mean) * rstd * w + b; also writes mean and rstd when given."""
 
@@ -65,12 +54,7 @@ class LayerNormForward:
     ):
         cfg = self.cfg
         copy = rowwise.make_row_copy(mX.element_type, cfg)
-        self.kernel(mX, mW, mB, mY, mMean, mRstd, eps, copy).launch(
-            grid=[cute.ceil_div(mX.shape[0], cfg.rows_per_cta), cfg.cluster_n, 1],
-            block=[cfg.threads, 1, 1],
-            cluster=[1, cfg.cluster_n, 1] if const_expr(cfg.cluster_n > 1) else None,
-            stream=stream,
-        )
+        rowwise.launch_rows(self.kernel(mX, mW, mB, mY, mMean, mRstd, eps, copy), cfg, mX.shape[0], stream)
 
     @cute.kernel
     def kernel(
@@ -87,7 +71,7 @@ class LayerNormForward:
         cfg = self.cfg
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
-        rank = _cluster_rank(cfg)
+        rank = rowwise.cluster_rank(cfg)
         if const_expr(cfg.cluster_n > 1):
             cute.arch.cluster_arrive_relaxed()
 
@@ -127,28 +111,18 @@ class LayerNormForward:
 
         y = xc * rstd
         if const_expr(mW is not None):
-            tXgW = _broadcast_vector(cfg, thr, mW, rank)
+            tXgW = rowwise.broadcast_vector(cfg, thr, mW, rank)
             tXrW = cute.make_rmem_tensor_like(tXgW)
             rowwise.load_row(rowwise.vector_atom(mW.element_type, cfg), tXgW, tXrW, tXpX)
             y = y * tXrW.load().to(Float32)
         if const_expr(mB is not None):
-            tXgB = _broadcast_vector(cfg, thr, mB, rank)
+            tXgB = rowwise.broadcast_vector(cfg, thr, mB, rank)
             tXrB = cute.make_rmem_tensor_like(tXgB)
             rowwise.load_row(rowwise.vector_atom(mB.element_type, cfg), tXgB, tXrB, tXpX)
             y = y + tXrB.load().to(Float32)
         tXrY = cute.make_rmem_tensor_like(tXgY)
         tXrY.store(y.to(mY.element_type))
         rowwise.store_row(rowwise.vector_atom(mY.element_type, cfg), tXrY, tXgY, tXpX)
-
-
-def _input_slices(cfg: RowConfig, thr, tile, rank, mX, mDy):
-    """This thread's x and dy slices of one row tile, their coordinates and
-    copy predicate (rows past M, columns past N masked)."""
-    m, n = mX.shape[0], mX.shape[1]
-    gX, gDy, gC = rowwise.row_tiles(cfg, tile, rank, mX, mDy, cute.make_identity_tensor((m, n)))
-    tXcX = thr.partition_S(gC)
-    pred = rowwise.copy_predicate(tXcX, m, n, not cfg.covers_n_exactly)
-    return thr.partition_S(gX), thr.partition_S(gDy), tXcX, pred
 
 
 class LayerNormBackward:
@@ -200,7 +174,7 @@ class LayerNormBackward:
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         num_ctas, _, _ = cute.arch.grid_dim()
-        rank = _cluster_rank(cfg)
+        rank = rowwise.cluster_rank(cfg)
         if const_expr(cfg.cluster_n > 1):
             cute.arch.cluster_arrive_relaxed()
 
@@ -222,7 +196,7 @@ class LayerNormBackward:
         cW = cute.local_tile(cute.make_identity_tensor((m, n)), cfg.tiler, (0, rank))
         tWcW = thr.partition_S(cW)
         if const_expr(mW is not None):
-            tXgW = _broadcast_vector(cfg, thr, mW, rank)
+            tXgW = rowwise.broadcast_vector(cfg, thr, mW, rank)
             tWpW = rowwise.copy_predicate(tWcW, None, n, check_cols)
             atom_w = rowwise.vector_atom(mW.element_type, cfg)
 
@@ -240,14 +214,14 @@ class LayerNormBackward:
             cute.arch.cluster_wait()
         num_tiles = cute.ceil_div(m, cfg.rows_per_cta)
 
-        tXgX, tXgDy, _, tXpX = _input_slices(cfg, thr, bidx, rank, mX, mDy)
+        tXgX, tXgDy, _, tXpX = rowwise.row_slices(cfg, thr, bidx, rank, mX, mDy)
         tXrX, tXrDy = cute.make_rmem_tensor_like(tXgX), cute.make_rmem_tensor_like(tXgDy)
         if const_expr(self.prefetch):
             tXrXn, tXrDyn = cute.make_rmem_tensor_like(tXgX), cute.make_rmem_tensor_like(tXgDy)
             rowwise.load_row(atom_x, tXgX, tXrX, tXpX)
             rowwise.load_row(atom_dy, tXgDy, tXrDy, tXpX)
         for tile in cutlass.range(bidx, num_tiles, num_ctas):
-            tXgX, tXgDy, tXcX, tXpX = _input_slices(cfg, thr, tile, rank, mX, mDy)
+            tXgX, tXgDy, tXcX, tXpX = rowwise.row_slices(cfg, thr, tile, rank, mX, mDy)
             if const_expr(not self.prefetch):
                 rowwise.load_row(atom_x, tXgX, tXrX, tXpX)
                 rowwise.load_row(atom_dy, tXgDy, tXrDy, tXpX)
@@ -270,7 +244,7 @@ class LayerNormBackward:
             c2 = wdy.reduce(cute.ReductionOp.ADD, Float32(0.0), reduction_profile=0)
 
             if const_expr(self.prefetch):
-                tXgXn, tXgDyn, _, tXpXn = _input_slices(cfg, thr, tile + num_ctas, rank, mX, mDy)
+                tXgXn, tXgDyn, _, tXpXn = rowwise.row_slices(cfg, thr, tile + num_ctas, rank, mX, mDy)
                 rowwise.load_row(atom_x, tXgXn, tXrXn, tXpXn)
                 rowwise.load_row(atom_dy, tXgDyn, tXrDyn, tXpXn)
 

@@ -30,28 +30,6 @@ from quack import rowwise
 from quack.rowwise import RowConfig
 
 
-def _row_tiles(cfg: RowConfig, tile_m, cluster_rank, *tensors):
-    """Slice each (M, N) tensor to the tile this CTA owns (None stays None)."""
-    return [
-        cute.local_tile(t, cfg.tiler, (tile_m, cluster_rank)) if t is not None else None
-        for t in tensors
-    ]
-
-
-def _input_slices(cfg: RowConfig, thr, tile, rank, mX, mDy):
-    """This thread's x and dy slices of one row tile, their coordinates and
-    copy predicate (rows past M, columns past N masked)."""
-    m, n = mX.shape[0], mX.shape[1]
-    gX, gDy, gC = _row_tiles(cfg, tile, rank, mX, mDy, cute.make_identity_tensor((m, n)))
-    tXcX = thr.partition_S(gC)
-    pred = rowwise.copy_predicate(tXcX, m, n, not cfg.covers_n_exactly)
-    return thr.partition_S(gX), thr.partition_S(gDy), tXcX, pred
-
-
-def _cluster_rank(cfg: RowConfig):
-    return cute.arch.block_idx()[1] if const_expr(cfg.cluster_n > 1) else Int32(0)
-
-
 class RMSNormForward:
     """y = rmsnorm(x + residual) * w; also writes x + residual and rstd when given."""
 
@@ -72,11 +50,8 @@ class RMSNormForward:
     ):
         cfg = self.cfg
         copy = rowwise.make_row_copy(mX.element_type, cfg)
-        self.kernel(mX, mW, mRes, mY, mResOut, mRstd, eps, copy).launch(
-            grid=[cute.ceil_div(mX.shape[0], cfg.rows_per_cta), cfg.cluster_n, 1],
-            block=[cfg.threads, 1, 1],
-            cluster=[1, cfg.cluster_n, 1] if const_expr(cfg.cluster_n > 1) else None,
-            stream=stream,
+        rowwise.launch_rows(
+            self.kernel(mX, mW, mRes, mY, mResOut, mRstd, eps, copy), cfg, mX.shape[0], stream
         )
 
     @cute.kernel
@@ -94,7 +69,7 @@ class RMSNormForward:
         cfg = self.cfg
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
-        rank = _cluster_rank(cfg)
+        rank = rowwise.cluster_rank(cfg)
         if const_expr(cfg.cluster_n > 1):
             cute.arch.cluster_arrive_relaxed()
 
@@ -103,7 +78,7 @@ class RMSNormForward:
 
         m, n = mX.shape[0], mX.shape[1]
         cX = cute.make_identity_tensor((m, n))
-        gX, gRes, gY, gResOut, gC = _row_tiles(cfg, bidx, rank, mX, mRes, mY, mResOut, cX)
+        gX, gRes, gY, gResOut, gC = rowwise.row_tiles(cfg, bidx, rank, mX, mRes, mY, mResOut, cX)
         # gX: (rows_per_cta, cols_per_cta) tile of this CTA
         thr = copy.get_slice(tidx)
         tXgX, tXgY = thr.partition_S(gX), thr.partition_D(gY)
@@ -140,10 +115,7 @@ class RMSNormForward:
 
         y = h * rstd
         if const_expr(mW is not None):
-            gW = cute.local_tile(mW, (cfg.cols_per_cta,), (rank,))
-            # Broadcast the weight slice over the CTA's rows.
-            gW2 = cute.make_tensor(gW.iterator, cute.make_layout(cfg.tiler, stride=(0, 1)))
-            tXgW = thr.partition_S(gW2)
+            tXgW = rowwise.broadcast_vector(cfg, thr, mW, rank)
             tXrW = cute.make_rmem_tensor_like(tXgW)
             ld_w = rowwise.vector_atom(mW.element_type, cfg)
             rowwise.load_row(ld_w, tXgW, tXrW, tXpX)
@@ -208,7 +180,7 @@ class RMSNormBackward:
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         num_ctas, _, _ = cute.arch.grid_dim()
-        rank = _cluster_rank(cfg)
+        rank = rowwise.cluster_rank(cfg)
         if const_expr(cfg.cluster_n > 1):
             cute.arch.cluster_arrive_relaxed()
 
@@ -230,9 +202,7 @@ class RMSNormBackward:
         cW = cute.local_tile(cute.make_identity_tensor((m, n)), cfg.tiler, (0, rank))
         tWcW = thr.partition_S(cW)
         if const_expr(mW is not None):
-            gW = cute.local_tile(mW, (cfg.cols_per_cta,), (rank,))
-            gW2 = cute.make_tensor(gW.iterator, cute.make_layout(cfg.tiler, stride=(0, 1)))
-            tXgW = thr.partition_S(gW2)
+            tXgW = rowwise.broadcast_vector(cfg, thr, mW, rank)
             tWpW = rowwise.copy_predicate(tWcW, None, n, check_cols)
             atom_w = rowwise.vector_atom(mW.element_type, cfg)
 
@@ -257,7 +227,7 @@ class RMSNormBackward:
         # reduction, so they are in flight while the CTA waits at the (cluster)
         # barrier.  A tile past the end loads nothing: its rows fail the row
         # predicate.
-        tXgX, tXgDy, _, tXpX = _input_slices(cfg, thr, bidx, rank, mX, mDy)
+        tXgX, tXgDy, _, tXpX = rowwise.row_slices(cfg, thr, bidx, rank, mX, mDy)
         tXrX, tXrDy = cute.make_rmem_tensor_like(tXgX), cute.make_rmem_tensor_like(tXgDy)
         if const_expr(self.prefetch):
             tXrXn, tXrDyn = cute.make_rmem_tensor_like(tXgX), cute.make_rmem_tensor_like(tXgDy)
@@ -265,7 +235,7 @@ class RMSNormBackward:
             rowwise.load_row(atom_dy, tXgDy, tXrDy, tXpX)
         stage = Int32(0)
         for tile in cutlass.range(bidx, num_tiles, num_ctas):
-            tXgX, tXgDy, tXcX, tXpX = _input_slices(cfg, thr, tile, rank, mX, mDy)
+            tXgX, tXgDy, tXcX, tXpX = rowwise.row_slices(cfg, thr, tile, rank, mX, mDy)
             if const_expr(not self.prefetch):
                 rowwise.load_row(atom_x, tXgX, tXrX, tXpX)
                 rowwise.load_row(atom_dy, tXgDy, tXrDy, tXpX)
@@ -283,13 +253,13 @@ class RMSNormBackward:
             dot = (x_hat * wdy).reduce(cute.ReductionOp.ADD, Float32(0.0), reduction_profile=0)
 
             if const_expr(self.prefetch):
-                tXgXn, tXgDyn, _, tXpXn = _input_slices(cfg, thr, tile + num_ctas, rank, mX, mDy)
+                tXgXn, tXgDyn, _, tXpXn = rowwise.row_slices(cfg, thr, tile + num_ctas, rank, mX, mDy)
                 rowwise.load_row(atom_x, tXgXn, tXrXn, tXpXn)
                 rowwise.load_row(atom_dy, tXgDyn, tXrDyn, tXpXn)
 
             dot = rowwise.row_reduce(dot, "sum", sRed[None, None, stage], cfg.threads_per_row, cfg.cluster_n)
             dx = (wdy - x_hat * (dot / cfg.n)) * rstd
-            gDhOut, gDx = _row_tiles(cfg, tile, rank, mDhOut, mDx)
+            gDhOut, gDx = rowwise.row_tiles(cfg, tile, rank, mDhOut, mDx)
             if const_expr(mDhOut is not None):
                 tXgDhOut = thr.partition_S(gDhOut)
                 tXrDhOut = cute.make_rmem_tensor_like(tXgDhOut)

@@ -315,6 +315,40 @@ def row_tiles(cfg: RowConfig, tile_m, tile_n, *tensors):
     ]
 
 
+def cluster_rank(cfg: RowConfig):
+    """This CTA's rank among the cluster peers that split a row (0 without a cluster)."""
+    return cute.arch.block_idx()[1] if const_expr(cfg.cluster_n > 1) else Int32(0)
+
+
+def launch_rows(kernel, cfg: RowConfig, m, stream) -> None:
+    """Launch a row-wise kernel: one CTA (one cluster) per ``rows_per_cta`` rows."""
+    kernel.launch(
+        grid=[cute.ceil_div(m, cfg.rows_per_cta), cfg.cluster_n, 1],
+        block=[cfg.threads, 1, 1],
+        cluster=[1, cfg.cluster_n, 1] if const_expr(cfg.cluster_n > 1) else None,
+        stream=stream,
+    )
+
+
+def broadcast_vector(cfg: RowConfig, thr, mV: cute.Tensor, rank):
+    """This thread's slice of an (N,) vector (a weight, a bias) broadcast over
+    the CTA's rows, laid out like its slice of x."""
+    gV = cute.local_tile(mV, (cfg.cols_per_cta,), (rank,))
+    gV2 = cute.make_tensor(gV.iterator, cute.make_layout(cfg.tiler, stride=(0, 1)))
+    return thr.partition_S(gV2)
+
+
+def row_slices(cfg: RowConfig, thr, tile, rank, mX, mDy):
+    """This thread's x and dy slices of one row tile, their coordinates and
+    copy predicate (rows past M, columns past N masked): what a backward
+    loads per tile."""
+    m, n = mX.shape[0], mX.shape[1]
+    gX, gDy, gC = row_tiles(cfg, tile, rank, mX, mDy, cute.make_identity_tensor((m, n)))
+    tXcX = thr.partition_S(gC)
+    pred = copy_predicate(tXcX, m, n, not cfg.covers_n_exactly)
+    return thr.partition_S(gX), thr.partition_S(gDy), tXcX, pred
+
+
 def column_mask(tXcX: cute.Tensor, n) -> cute.Tensor:
     """One Boolean per element of a thread's slice: is its column < N?  For
     values that must be zero in padded columns after a shift (a centred x).

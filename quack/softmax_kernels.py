@@ -24,25 +24,12 @@ import math
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32, const_expr
+from cutlass import Float32, const_expr
 
 from quack import rowwise
 from quack.rowwise import RowConfig
 
 LOG2_E = math.log2(math.e)
-
-
-def _cluster_rank(cfg: RowConfig):
-    return cute.arch.block_idx()[1] if const_expr(cfg.cluster_n > 1) else Int32(0)
-
-
-def _launch(kernel, cfg: RowConfig, m, stream):
-    kernel.launch(
-        grid=[cute.ceil_div(m, cfg.rows_per_cta), cfg.cluster_n, 1],
-        block=[cfg.threads, 1, 1],
-        cluster=[1, cfg.cluster_n, 1] if const_expr(cfg.cluster_n > 1) else None,
-        stream=stream,
-    )
 
 
 class SoftmaxForward:
@@ -54,14 +41,14 @@ class SoftmaxForward:
     @cute.jit
     def __call__(self, mX: cute.Tensor, mY: cute.Tensor, stream: cuda.CUstream):
         copy = rowwise.make_row_copy(mX.element_type, self.cfg)
-        _launch(self.kernel(mX, mY, copy), self.cfg, mX.shape[0], stream)
+        rowwise.launch_rows(self.kernel(mX, mY, copy), self.cfg, mX.shape[0], stream)
 
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mY: cute.Tensor, copy: cute.TiledCopy):
         cfg = self.cfg
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
-        rank = _cluster_rank(cfg)
+        rank = rowwise.cluster_rank(cfg)
         if const_expr(cfg.cluster_n > 1):
             cute.arch.cluster_arrive_relaxed()
 
@@ -111,14 +98,14 @@ class SoftmaxBackward:
     @cute.jit
     def __call__(self, mY: cute.Tensor, mDy: cute.Tensor, mDx: cute.Tensor, stream: cuda.CUstream):
         copy = rowwise.make_row_copy(mY.element_type, self.cfg)
-        _launch(self.kernel(mY, mDy, mDx, copy), self.cfg, mY.shape[0], stream)
+        rowwise.launch_rows(self.kernel(mY, mDy, mDx, copy), self.cfg, mY.shape[0], stream)
 
     @cute.kernel
     def kernel(self, mY: cute.Tensor, mDy: cute.Tensor, mDx: cute.Tensor, copy: cute.TiledCopy):
         cfg = self.cfg
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
-        rank = _cluster_rank(cfg)
+        rank = rowwise.cluster_rank(cfg)
         if const_expr(cfg.cluster_n > 1):
             cute.arch.cluster_arrive_relaxed()
 
