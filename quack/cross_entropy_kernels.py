@@ -87,15 +87,8 @@ class CrossEntropyForward:
         cfg = self.cfg
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
-        rank = rowwise.cluster_rank(cfg)
-        if const_expr(cfg.cluster_n > 1):
-            cute.arch.cluster_arrive_relaxed()
-
-        smem = cutlass.memory.SmemAllocator()
         # Stage 0: the max; stage 1: the sum.
-        sRed = smem.allocate_tensor(
-            Float32, rowwise.reduction_buffer_layout(cfg, stages=2), byte_alignment=8
-        )
+        rank, smem, sRed = rowwise.start_row_cta(cfg, stages=2)
         m, n = mX.shape[0], mX.shape[1]
         gX = cute.local_tile(mX, cfg.tiler, (bidx, rank))
         gC = cute.local_tile(cute.make_identity_tensor((m, n)), cfg.tiler, (bidx, rank))

@@ -71,15 +71,8 @@ class LayerNormForward:
         cfg = self.cfg
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
-        rank = rowwise.cluster_rank(cfg)
-        if const_expr(cfg.cluster_n > 1):
-            cute.arch.cluster_arrive_relaxed()
-
-        smem = cutlass.memory.SmemAllocator()
         # Stage 0: the sum; stage 1: the sum of squared deviations.
-        sRed = smem.allocate_tensor(
-            Float32, rowwise.reduction_buffer_layout(cfg, stages=2), byte_alignment=8
-        )
+        rank, smem, sRed = rowwise.start_row_cta(cfg, stages=2)
         m, n = mX.shape[0], mX.shape[1]
         gX, gY, gC = rowwise.row_tiles(cfg, bidx, rank, mX, mY, cute.make_identity_tensor((m, n)))
         # gX: (rows_per_cta, cols_per_cta) tile of this CTA
@@ -174,16 +167,9 @@ class LayerNormBackward:
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         num_ctas, _, _ = cute.arch.grid_dim()
-        rank = rowwise.cluster_rank(cfg)
-        if const_expr(cfg.cluster_n > 1):
-            cute.arch.cluster_arrive_relaxed()
-
-        smem = cutlass.memory.SmemAllocator()
         # Stage 0: c1, stage 1: c2 of every tile; consecutive reductions
         # alternate stages, see rowwise.row_reduce.
-        sRed = smem.allocate_tensor(
-            Float32, rowwise.reduction_buffer_layout(cfg, stages=2), byte_alignment=8
-        )
+        rank, smem, sRed = rowwise.start_row_cta(cfg, stages=2)
         m, n = mX.shape[0], mX.shape[1]
         thr = copy.get_slice(tidx)
         check_cols = not cfg.covers_n_exactly

@@ -69,12 +69,7 @@ class RMSNormForward:
         cfg = self.cfg
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
-        rank = rowwise.cluster_rank(cfg)
-        if const_expr(cfg.cluster_n > 1):
-            cute.arch.cluster_arrive_relaxed()
-
-        smem = cutlass.memory.SmemAllocator()
-        sRed = smem.allocate_tensor(Float32, rowwise.reduction_buffer_layout(cfg), byte_alignment=8)
+        rank, smem, sRed = rowwise.start_row_cta(cfg)
 
         m, n = mX.shape[0], mX.shape[1]
         cX = cute.make_identity_tensor((m, n))
@@ -180,15 +175,8 @@ class RMSNormBackward:
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         num_ctas, _, _ = cute.arch.grid_dim()
-        rank = rowwise.cluster_rank(cfg)
-        if const_expr(cfg.cluster_n > 1):
-            cute.arch.cluster_arrive_relaxed()
-
-        smem = cutlass.memory.SmemAllocator()
         # Two stages: consecutive row tiles alternate, see rowwise.row_reduce.
-        sRed = smem.allocate_tensor(
-            Float32, rowwise.reduction_buffer_layout(cfg, stages=2), byte_alignment=8
-        )
+        rank, smem, sRed = rowwise.start_row_cta(cfg, stages=2)
         m, n = mX.shape[0], mX.shape[1]
         thr = copy.get_slice(tidx)
         check_cols = not cfg.covers_n_exactly

@@ -320,6 +320,21 @@ def cluster_rank(cfg: RowConfig):
     return cute.arch.block_idx()[1] if const_expr(cfg.cluster_n > 1) else Int32(0)
 
 
+def start_row_cta(cfg: RowConfig, stages: int = 1):
+    """The common start of a row-wise kernel: this CTA's cluster rank, the
+    arrive half of the start-up cluster barrier (the kernel calls
+    ``cluster_wait`` before its first reduction), and the shared memory with
+    the reduction buffer of ``stages`` stages allocated first."""
+    rank = cluster_rank(cfg)
+    if cfg.cluster_n > 1:
+        cute.arch.cluster_arrive_relaxed()
+    smem = cutlass.memory.SmemAllocator()
+    sRed = smem.allocate_tensor(
+        Float32, reduction_buffer_layout(cfg, stages=stages), byte_alignment=8
+    )
+    return rank, smem, sRed
+
+
 def launch_rows(kernel, cfg: RowConfig, m, stream) -> None:
     """Launch a row-wise kernel: one CTA (one cluster) per ``rows_per_cta`` rows."""
     kernel.launch(

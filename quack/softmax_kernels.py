@@ -22,7 +22,6 @@ from __future__ import annotations
 import math
 
 import cuda.bindings.driver as cuda
-import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, const_expr
 
@@ -48,15 +47,8 @@ class SoftmaxForward:
         cfg = self.cfg
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
-        rank = rowwise.cluster_rank(cfg)
-        if const_expr(cfg.cluster_n > 1):
-            cute.arch.cluster_arrive_relaxed()
-
-        smem = cutlass.memory.SmemAllocator()
         # Stage 0: the max; stage 1: the sum.
-        sRed = smem.allocate_tensor(
-            Float32, rowwise.reduction_buffer_layout(cfg, stages=2), byte_alignment=8
-        )
+        rank, smem, sRed = rowwise.start_row_cta(cfg, stages=2)
         m, n = mX.shape[0], mX.shape[1]
         gX = cute.local_tile(mX, cfg.tiler, (bidx, rank))
         gY = cute.local_tile(mY, cfg.tiler, (bidx, rank))
@@ -105,12 +97,7 @@ class SoftmaxBackward:
         cfg = self.cfg
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
-        rank = rowwise.cluster_rank(cfg)
-        if const_expr(cfg.cluster_n > 1):
-            cute.arch.cluster_arrive_relaxed()
-
-        smem = cutlass.memory.SmemAllocator()
-        sRed = smem.allocate_tensor(Float32, rowwise.reduction_buffer_layout(cfg), byte_alignment=8)
+        rank, smem, sRed = rowwise.start_row_cta(cfg)
         m, n = mY.shape[0], mY.shape[1]
         gY = cute.local_tile(mY, cfg.tiler, (bidx, rank))
         gDy = cute.local_tile(mDy, cfg.tiler, (bidx, rank))
