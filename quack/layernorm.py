@@ -116,9 +116,11 @@ def _layernorm_bwd(
     """Launch the persistent backward kernel over ``num_ctas`` CTAs (clusters)."""
     n = x.shape[1]
     # The partial buffers are allocated 16-byte aligned: they never narrow the vectors.
-    kernel = compile_layernorm_bwd(
-        ti.dtype_name(x.dtype), _name(weight), db_partial is not None, n, ti.vector_width(n, x, weight, dy, dx)
-    )
+    vec = ti.vector_width(n, x, weight, dy, dx)
+    rows_per_cta = backward_config(n, vec).rows_per_cta
+    ti.check_partial_rows("dw_partial", dw_partial, num_ctas, rows_per_cta)
+    ti.check_partial_rows("db_partial", db_partial, num_ctas, rows_per_cta)
+    kernel = compile_layernorm_bwd(ti.dtype_name(x.dtype), _name(weight), db_partial is not None, n, vec)
     kernel(x, weight, dy, mean, rstd, dx, dw_partial, db_partial, num_ctas, ti.current_stream(x.device))
 
 

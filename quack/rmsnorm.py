@@ -109,6 +109,7 @@ def _rmsnorm_bwd(
     n = x.shape[1]
     # dw_partial is allocated 16-byte aligned: it never narrows the vectors.
     vec = ti.vector_width(n, x, weight, dy, dh_out, dx)
+    ti.check_partial_rows("dw_partial", dw_partial, num_ctas, backward_config(n, vec).rows_per_cta)
     kernel = compile_rmsnorm_bwd(
         ti.dtype_name(x.dtype),
         ti.dtype_name(weight.dtype) if weight is not None else None,

@@ -51,9 +51,11 @@ def vector_width(n: int, x: torch.Tensor, *others: torch.Tensor | None) -> int:
 def address(t: torch.Tensor) -> int:
     """Byte address used for alignment decisions.
 
-    Fake tensors (compile-only) have no storage; their allocation base is
-    aligned like a real CUDA allocation, so only the storage offset counts."""
-    if isinstance(t, _FakeTensor):
+    Fake tensors (compile-only) have no storage and Dynamo cannot trace
+    ``data_ptr``; an allocation base is aligned like a real CUDA allocation in
+    both cases, so only the storage offset counts.  Kernels that size buffers
+    from this check them again in the op (``check_partial_rows``)."""
+    if isinstance(t, _FakeTensor) or torch.compiler.is_compiling():
         return t.storage_offset() * t.element_size()
     return t.data_ptr()
 
@@ -108,3 +110,14 @@ def check_cuda(name: str, t: torch.Tensor, like: torch.Tensor | None = None) -> 
 def check_contiguous(name: str, t: torch.Tensor) -> None:
     if not t.is_contiguous():
         raise ValueError(f"{name} must be contiguous (got strides {tuple(t.stride())})")
+
+
+def check_partial_rows(name: str, partial: torch.Tensor | None, num_ctas: int, rows_per_cta: int) -> None:
+    """A persistent backward writes ``rows_per_cta`` partial rows per CTA; the
+    buffer was sized outside the op (possibly while torch.compile traced, from
+    storage offsets), so check it against the launch's real configuration."""
+    if partial is not None and partial.shape[0] < num_ctas * rows_per_cta:
+        raise ValueError(
+            f"{name} has {partial.shape[0]} rows; this launch writes {num_ctas * rows_per_cta} "
+            "(an input's base address is less aligned than its storage offset suggests)"
+        )
