@@ -93,12 +93,31 @@ def _warm_layernorm(cfg: dict) -> None:
     quack.layernorm(x, w, b)
 
 
+def _warm_gemm(cfg: dict) -> None:
+    import torch
+
+    import quack
+
+    dtype = getattr(torch, cfg["dtype"])
+    m, n, k = cfg["shape"]
+    groups = cfg.get("groups")
+    a = torch.empty(m, k, device="cuda", dtype=dtype)
+    # B row-major (N contiguous) or column-major (K contiguous) per group.
+    b_strides = (n, 1) if cfg.get("b_layout", "row") == "row" else (1, k)
+    b_shape, b_strides = ((groups, k, n), (k * n, *b_strides)) if groups else ((k, n), b_strides)
+    b = torch.empty_strided(b_shape, b_strides, device="cuda", dtype=dtype)
+    cu = torch.zeros(groups + 1, device="cuda", dtype=torch.int32) if groups else None
+    out_dtype = getattr(torch, cfg["out_dtype"]) if cfg.get("out_dtype") else None
+    quack.gemm(a, b, out_dtype=out_dtype, cu_seqlens_m=cu)
+
+
 # op name in the manifest -> (family, function that makes the calls)
 WARMERS = {
     "rmsnorm": ("rmsnorm", _warm_rmsnorm),
     "softmax": ("softmax", _warm_softmax),
     "cross_entropy": ("cross_entropy", _warm_cross_entropy),
     "layernorm": ("layernorm", _warm_layernorm),
+    "gemm": ("gemm", _warm_gemm),
 }
 
 

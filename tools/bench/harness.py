@@ -24,7 +24,7 @@ class Case:
     impls: dict[str, Callable[[], object]]  # name -> zero-argument launcher
 
 
-def _bench_ms(fn: Callable[[], object]) -> float:
+def bench_ms(fn: Callable[[], object]) -> float:
     from triton.testing import do_bench
 
     return do_bench(fn, warmup=25, rep=100, return_mode="median")
@@ -35,7 +35,7 @@ def copy_bandwidth(gib: float = 1.0) -> float:
     n = int(gib * (1 << 30))
     src = torch.empty(n, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
-    ms = _bench_ms(lambda: dst.copy_(src))
+    ms = bench_ms(lambda: dst.copy_(src))
     return 2 * n / (ms * 1e-3) / 1e12
 
 
@@ -52,7 +52,7 @@ def run(title: str, cases: list[Case], plot_path: str | None) -> list[dict]:
         row = {"case": case.label}
         for name, fn in case.impls.items():
             try:
-                tbs = case.bytes_moved / (_bench_ms(fn) * 1e-3) / 1e12
+                tbs = case.bytes_moved / (bench_ms(fn) * 1e-3) / 1e12
             except Exception as exc:  # a reference that fails (e.g. compile) is reported, not fatal
                 print(f"  {name} failed on {case.label}: {type(exc).__name__}: {exc}")
                 tbs = float("nan")
@@ -61,11 +61,13 @@ def run(title: str, cases: list[Case], plot_path: str | None) -> list[dict]:
         rows.append(row)
         print(line)
     if plot_path:
-        _plot(title, rows, names, copy_tbs, plot_path)
+        plot(title, rows, names, (copy_tbs, "D2D copy"), "TB/s", plot_path)
     return rows
 
 
-def _plot(title, rows, names, copy_tbs, path) -> None:
+def plot(title, rows, names, reference, unit, path) -> None:
+    """Grouped bars per case, one per implementation; ``reference`` is an
+    optional (value, label) drawn as a dashed line."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -75,10 +77,11 @@ def _plot(title, rows, names, copy_tbs, path) -> None:
     width = 0.8 / len(names)
     for i, name in enumerate(names):
         ax.bar([j + i * width for j in range(len(rows))], [r[name] for r in rows], width, label=name)
-    ax.axhline(copy_tbs, color="k", linestyle="--", linewidth=1, label="D2D copy")
+    if reference:
+        ax.axhline(reference[0], color="k", linestyle="--", linewidth=1, label=reference[1])
     ax.set_xticks([j + width * (len(names) - 1) / 2 for j in range(len(rows))])
     ax.set_xticklabels([r["case"] for r in rows], rotation=20, ha="right", fontsize=8)
-    ax.set_ylabel("TB/s")
+    ax.set_ylabel(unit)
     ax.set_title(title)
     ax.legend(fontsize=8)
     fig.tight_layout()

@@ -1,0 +1,179 @@
+"""Hopper GEMM as a cached, torch-callable op: ``quack.gemm(A, B, out_dtype, cu_seqlens_m)``.
+
+Dense: A (M, K) @ B (K, N), B row- or column-major.  Variable-length M:
+A (total_M, K) packed by groups, B (G, K, N), ``cu_seqlens_m`` (G + 1,) int32
+with cu[0] = 0, non-decreasing, cu[G] = total_M; group g's rows
+``A[cu[g]:cu[g+1]]`` multiply ``B[g]`` (empty groups are fine).  bf16 or fp16
+inputs, fp32 accumulation, bf16 or fp16 output (the input dtype by default).
+
+The compiled object depends on the dtypes, B's layout, dense or varlen and the
+tile configuration, never on M, N, K or G: those are dynamic, so one object
+serves every problem size and compile-only warming works from tests that size
+their inputs with ``.item()`` on fake tensors.  TMA needs K and N multiples of
+8, row strides multiples of 8 elements and 16-byte aligned bases: checked with
+a clear error before any launch.
+
+Tile configuration (``gemm_config``): 128 x 256 x 64 tiles, two consumer
+warpgroups, clusters of two CTAs along M sharing each B tile, output tiles
+walked in bands of 8 cluster columns.  N <= 128 uses 128 x 128 tiles so that
+half of each tile is not wasted.  No autotuning happens at call time.
+
+The kernel lives in ``quack/gemm_kernels.py`` (work order:
+``quack/gemm_schedule.py``).  Test: ``pytest tests/test_gemm.py``; benchmark:
+``python tools/bench/gemm.py``.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import cutlass.cute as cute
+import torch
+from cutlass import Int32
+
+from quack import torch_interop as ti
+from quack.cache import compile_options, jit_cache
+from quack.cute_op import cute_op
+from quack.gemm_kernels import HopperGemm
+
+INPUT_DTYPES = (torch.bfloat16, torch.float16)
+_ALIGN_ELEMENTS = 8  # 16 bytes of a 16-bit dtype
+
+
+class GemmConfig(NamedTuple):
+    """Static tile configuration: part of the object key."""
+
+    tile_m: int = 128
+    tile_n: int = 256
+    cluster_m: int = 2
+    band: int = 8
+
+
+def gemm_config(n: int) -> GemmConfig:
+    """The documented heuristic (see the module docstring)."""
+    if n <= 128:
+        return GemmConfig(tile_n=128)
+    return GemmConfig()
+
+
+@jit_cache("gemm")
+def compile_gemm(ab_dtype: str, d_dtype: str, b_n_major: bool, varlen: bool, config: tuple):
+    """Compile one configuration; every dimension is symbolic."""
+    cfg = GemmConfig(*config)
+    ab, dt = ti.cute_dtype(ab_dtype), ti.cute_dtype(d_dtype)
+    m, n, k, groups = cute.sym_int(), cute.sym_int(), cute.sym_int(), cute.sym_int()
+
+    def stride():
+        return cute.sym_int64(divisibility=_ALIGN_ELEMENTS)
+
+    fake = cute.runtime.make_fake_tensor
+    a = fake(ab, (m, k), (stride(), 1), assumed_align=16)
+    b = fake(ab, (groups, k, n) if b_n_major else (groups, n, k), (stride(), stride(), 1), assumed_align=16)
+    d = fake(dt, (m, n), (stride(), 1), assumed_align=16)
+    cu = cute.runtime.make_fake_compact_tensor(Int32, (cute.sym_int(),), assumed_align=4) if varlen else None
+    kernel = HopperGemm(cfg.tile_m, cfg.tile_n, cfg.cluster_m, cfg.band, b_n_major)
+    return cute.compile(kernel, a, b, d, cu, Int32(1), cute.runtime.make_fake_stream(), options=compile_options())
+
+
+@cute_op("quack::gemm", mutates_args=("out",))
+def _gemm(a: torch.Tensor, b3: torch.Tensor, out: torch.Tensor, cu_seqlens: Optional[torch.Tensor],
+          b_n_major: bool) -> None:
+    """Launch on validated operands: b3 is (L, K, N) if ``b_n_major`` else (L, N, K)."""
+    cfg = gemm_config(out.shape[1])
+    kernel = compile_gemm(ti.dtype_name(a.dtype), ti.dtype_name(out.dtype), b_n_major, cu_seqlens is not None,
+                          tuple(cfg))
+    max_clusters = ti.sm_count(a.device.index or 0) // cfg.cluster_m
+    kernel(a, b3, out, cu_seqlens, max_clusters, ti.current_stream(a.device))
+
+
+def _check_operand(name: str, t: torch.Tensor, like: Optional[torch.Tensor]) -> None:
+    ti.check_float(name, t, INPUT_DTYPES if like is None else (like.dtype,))
+    ti.check_cuda(name, t, like)
+
+
+def _check_tma(name: str, t: torch.Tensor) -> None:
+    """TMA wants a 16-byte aligned base and 16-byte multiples for every
+    stride but the unit one."""
+    if ti.address(t) % 16:
+        raise ValueError(f"{name} must start at a 16-byte aligned address (TMA)")
+    for dim, stride in enumerate(t.stride()[:-1]):
+        if stride % _ALIGN_ELEMENTS and t.shape[dim] > 1:
+            raise ValueError(f"{name} stride {stride} of dim {dim} must be a multiple of {_ALIGN_ELEMENTS} (TMA)")
+
+
+def _b_view(b: torch.Tensor):
+    """B (L, K, N) as the kernel takes it: (L, K, N) N-contiguous, or (L, N, K)
+    K-contiguous for column-major B; anything else is copied row-major."""
+    if b.stride(-1) == 1 or b.shape[-1] == 1:
+        return b, True
+    if b.stride(-2) == 1:
+        return b.transpose(-1, -2), False
+    return b.contiguous(), True
+
+
+def _check_dims(a, b, cu_seqlens) -> None:
+    if a.dim() != 2:
+        raise ValueError(f"A must be 2-D (M, K), got shape {tuple(a.shape)}")
+    if cu_seqlens is None:
+        if b.dim() != 2:
+            raise ValueError(f"B must be 2-D (K, N) for a dense GEMM, got shape {tuple(b.shape)}")
+    else:
+        if b.dim() != 3:
+            raise ValueError(f"B must be 3-D (G, K, N) with cu_seqlens_m, got shape {tuple(b.shape)}")
+        if cu_seqlens.dtype != torch.int32:
+            raise TypeError(f"cu_seqlens_m must be int32, got {cu_seqlens.dtype}")
+        ti.check_cuda("cu_seqlens_m", cu_seqlens, a)
+        if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] != b.shape[0] + 1:
+            raise ValueError(
+                f"cu_seqlens_m must have shape ({b.shape[0] + 1},) for {b.shape[0]} groups, "
+                f"got {tuple(cu_seqlens.shape)}"
+            )
+    if a.shape[1] != b.shape[-2]:
+        raise ValueError(f"K mismatch: A is {tuple(a.shape)}, B is {tuple(b.shape)}")
+    k, n = a.shape[1], b.shape[-1]
+    if k % _ALIGN_ELEMENTS or n % _ALIGN_ELEMENTS:
+        raise ValueError(f"K = {k} and N = {n} must be multiples of {_ALIGN_ELEMENTS} (TMA)")
+
+
+def gemm(A: torch.Tensor, B: torch.Tensor, out_dtype: Optional[torch.dtype] = None,
+         cu_seqlens_m: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """A @ B (dense) or the grouped product described in the module docstring.
+
+    Raises TypeError for wrong dtypes and ValueError for wrong devices, shapes,
+    strides or alignment, before any launch.  A is copied to row-major if it is
+    not; B may be row- or column-major (per group).  Not differentiable.
+    """
+    _check_operand("A", A, None)
+    _check_operand("B", B, A)
+    out_dtype = A.dtype if out_dtype is None else out_dtype
+    if out_dtype not in INPUT_DTYPES:
+        raise TypeError(f"out_dtype must be torch.bfloat16 or torch.float16, got {out_dtype}")
+    _check_dims(A, B, cu_seqlens_m)
+    a = A if A.stride(-1) == 1 or A.shape[-1] == 1 else A.contiguous()
+    b3, b_n_major = _b_view(B if B.dim() == 3 else B.unsqueeze(0))
+    m, k, n = a.shape[0], a.shape[1], B.shape[-1]
+    out = torch.empty(m, n, device=A.device, dtype=out_dtype)
+    if m == 0 or n == 0:
+        return out
+    if k == 0:
+        return out.zero_()
+    _check_tma("A", a)
+    _check_tma("B", b3)
+    _gemm(a, b3, out, cu_seqlens_m, b_n_major)
+    return out
+
+
+def gemm_ref(A: torch.Tensor, B: torch.Tensor, out_dtype: Optional[torch.dtype] = None,
+             cu_seqlens_m: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """fp32 reference, rounded to the output dtype (grouped: rows 0 to cu[G])."""
+    out_dtype = A.dtype if out_dtype is None else out_dtype
+    if cu_seqlens_m is None:
+        return (A.float() @ B.float()).to(out_dtype)
+    bounds = cu_seqlens_m.tolist()
+    pieces = [
+        A.narrow(0, bounds[g], bounds[g + 1] - bounds[g]).float() @ B.select(0, g).float()
+        for g in range(B.shape[0])
+    ]
+    if not pieces:
+        return torch.empty(0, B.shape[-1], device=A.device, dtype=out_dtype)
+    return torch.cat(pieces).to(out_dtype)

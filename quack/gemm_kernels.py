@@ -1,0 +1,361 @@
+"""The persistent Hopper GEMM kernel: D = A @ B, dense or variable-length M.
+
+Roles (384 threads, one CTA per SM): warpgroup 0 is the producer, one warp of
+which issues the TMA loads of A and B into a ring of shared-memory stages;
+warpgroups 1 and 2 consume the stages with WGMMA, each owning half of the
+tile's rows (cooperative), then run the epilogue: accumulators to 16-bit,
+``stmatrix`` into a swizzled shared buffer, one TMA store per 128x32 subtile.
+Clusters of two CTAs along M load each B tile once and multicast it.
+
+Variable-length M (``cu_seqlens`` given): A is the packed (total_M, K) matrix
+and group g's rows ``cu[g]:cu[g+1]`` multiply ``B[g]``.  Tiles index group
+rows through a coordinate offset on the TMA tensors, so groups need no
+alignment; rows of a tile past its group's end load the next group's rows (or
+zeros past total_M) and are never stored: a tile that ends inside its group
+is stored by TMA, the last, partial tile of a group by a predicated copy.
+
+Nothing here depends on M, N, K or the number of groups: they are dynamic, so
+one compiled object serves every problem size (see ``quack/gemm.py``).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils as utils
+import cutlass.utils.hopper_helpers as sm90
+from cutlass import Int32, const_expr
+from cutlass.cute.nvgpu import cpasync, warp, warpgroup
+
+from quack.gemm_schedule import find_group, first_cursor, tile_in_group
+
+THREADS_PER_WARPGROUP = 128
+PRODUCER_REGISTERS = 40
+CONSUMER_REGISTERS = 232
+TILE_K = 64
+EPILOGUE_N = 32  # columns per epilogue subtile
+EPILOGUE_BUFFERS = 4
+BARRIER_BYTES = 1024
+EPILOGUE_BARRIER_ID = 1
+
+
+class HopperGemm:
+    """One compiled configuration: tile (``tile_m`` x ``tile_n`` x 64), cluster
+    (``cluster_m``, 1), raster band width, dense or varlen.
+
+    Call arguments (all dims dynamic): ``a`` (M, K) K-contiguous; ``b`` (L, K, N)
+    N-contiguous when ``b_n_major`` else (L, N, K) K-contiguous; ``d`` (M, N)
+    N-contiguous; ``cu_seqlens`` (L + 1,) int32 or None (dense, L = 1);
+    ``max_clusters`` the number of clusters that fit on the device at once.
+    """
+
+    def __init__(self, tile_m: int, tile_n: int, cluster_m: int, band: int, b_n_major: bool):
+        self.tile_mnk = (tile_m, tile_n, TILE_K)
+        self.cluster_m = cluster_m
+        self.band = band
+        self.b_n_major = b_n_major
+        self.consumer_warpgroups = tile_m // 64
+        self.threads = THREADS_PER_WARPGROUP * (1 + self.consumer_warpgroups)
+        self.consumer_threads = THREADS_PER_WARPGROUP * self.consumer_warpgroups
+        self.epi_tile = (tile_m, EPILOGUE_N)
+
+    # ---------------------------------------------------------------- host side
+    @cute.jit
+    def __call__(self, a: cute.Tensor, b: cute.Tensor, d: cute.Tensor, cu_seqlens: Optional[cute.Tensor],
+                 max_clusters: Int32, stream: cuda.CUstream):
+        # B as (N, K, L), the operand order of the MMA.
+        b = cute.make_tensor(b.iterator, cute.select(b.layout, mode=[2, 1, 0] if self.b_n_major else [1, 2, 0]))
+        self.ab_dtype = a.element_type
+        self.d_dtype = d.element_type
+        a_major = utils.LayoutEnum.from_tensor(a)
+        b_major = utils.LayoutEnum.from_tensor(b)
+        self.d_major = utils.LayoutEnum.from_tensor(d)
+        tiled_mma = sm90.make_trivial_tiled_mma(
+            self.ab_dtype, self.ab_dtype, a_major.sm90_mma_major_mode(), b_major.sm90_mma_major_mode(),
+            cutlass.Float32, (self.consumer_warpgroups, 1, 1), tiler_mn=(64, self.tile_mnk[1]),
+        )
+        self.stages = self._stages()
+        sa_layout = self._operand_smem_layout(a_major, self.tile_mnk[0])
+        sb_layout = self._operand_smem_layout(b_major, self.tile_mnk[1])
+        sd_layout = self._epilogue_smem_layout()
+
+        tma_a, ta = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(), a, cute.slice_(sa_layout, (None, None, 0)),
+            (self.tile_mnk[0], TILE_K),
+        )
+        b_op = cpasync.CopyBulkTensorTileG2SMulticastOp() if self.cluster_m > 1 else cpasync.CopyBulkTensorTileG2SOp()
+        tma_b, tb = cpasync.make_tiled_tma_atom(
+            b_op, b, cute.slice_(sb_layout, (None, None, 0)), (self.tile_mnk[1], TILE_K),
+            num_multicast=self.cluster_m,
+        )
+        tma_d, td = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileS2GOp(), d, cute.slice_(sd_layout, (None, None, 0)), self.epi_tile
+        )
+
+        @cute.struct
+        class SharedStorage:
+            barriers: cute.struct.MemRange[cutlass.Int64, self.stages * 2]
+            sa: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(sa_layout)], 1024]
+            sb: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(sb_layout)], 1024]
+            sd: cute.struct.Align[cute.struct.MemRange[self.d_dtype, cute.cosize(sd_layout)], 1024]
+
+        self.shared_storage = SharedStorage
+
+        cluster_rows = self.tile_mnk[0] * self.cluster_m
+        n_clusters = (d.shape[1] + (self.tile_mnk[1] - 1)) // self.tile_mnk[1]
+        num_groups = b.shape[2]
+        # Work items: exact for dense; for varlen every group may end in a partial cluster.
+        m_bound = (a.shape[0] + (cluster_rows - 1)) // cluster_rows
+        if const_expr(cu_seqlens is not None):
+            m_bound = (a.shape[0] + num_groups * (cluster_rows - 1)) // cluster_rows
+        clusters = cutlass.max(cutlass.min(m_bound * n_clusters, max_clusters), 1)
+        self.kernel(
+            tma_a, ta, tma_b, tb, tma_d, td, d, cu_seqlens, tiled_mma, sa_layout, sb_layout, sd_layout,
+            n_clusters, num_groups,
+        ).launch(
+            grid=(self.cluster_m, 1, clusters),
+            block=(self.threads, 1, 1),
+            cluster=(self.cluster_m, 1, 1),
+            min_blocks_per_mp=1,
+            stream=stream,
+        )
+
+    def _stages(self) -> int:
+        """A/B stages that fit beside the epilogue buffers and barriers."""
+        tile_m, tile_n, tile_k = self.tile_mnk
+        stage_bytes = (tile_m + tile_n) * tile_k * self.ab_dtype.width // 8
+        epi_bytes = EPILOGUE_BUFFERS * tile_m * EPILOGUE_N * self.d_dtype.width // 8
+        capacity = cutlass.memory.get_smem_capacity_in_bytes("sm_90")
+        return (capacity - BARRIER_BYTES - epi_bytes) // stage_bytes
+
+    def _operand_smem_layout(self, major: utils.LayoutEnum, rows: int):
+        """Swizzled (rows, 64, stages) layout shared by TMA and WGMMA."""
+        k_major = major.sm90_mma_major_mode() == cute.nvgpu.OperandMajorMode.K
+        atom = warpgroup.make_smem_layout_atom(
+            sm90.get_smem_layout_atom(major, self.ab_dtype, TILE_K if k_major else rows), self.ab_dtype
+        )
+        return cute.tile_to_shape(atom, (rows, TILE_K, self.stages), order=(0, 1, 2) if k_major else (1, 0, 2))
+
+    def _epilogue_smem_layout(self):
+        atom = warpgroup.make_smem_layout_atom(
+            sm90.get_smem_layout_atom(self.d_major, self.d_dtype, EPILOGUE_N), self.d_dtype
+        )
+        return cute.tile_to_shape(atom, (*self.epi_tile, EPILOGUE_BUFFERS), order=(0, 1, 2))
+
+    # -------------------------------------------------------------- device side
+    @cute.kernel
+    def kernel(self, tma_a: cute.CopyAtom, ta: cute.Tensor, tma_b: cute.CopyAtom, tb: cute.Tensor,
+               tma_d: cute.CopyAtom, td: cute.Tensor, d: cute.Tensor, cu_seqlens, tiled_mma: cute.TiledMma,
+               sa_layout: cute.ComposedLayout,
+               sb_layout: cute.ComposedLayout, sd_layout: cute.ComposedLayout, n_clusters: Int32,
+               num_groups: Int32):
+        tidx, _, _ = cute.arch.thread_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        if warp_idx == 0:
+            cpasync.prefetch_descriptor(tma_a)
+            cpasync.prefetch_descriptor(tma_b)
+            cpasync.prefetch_descriptor(tma_d)
+        cta_m = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
+        cluster_layout = cute.make_layout((1, self.cluster_m, 1, 1))
+
+        storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
+        stage_bytes = cute.size_in_bytes(self.ab_dtype, cute.slice_(sa_layout, (None, None, 0))) + cute.size_in_bytes(
+            self.ab_dtype, cute.slice_(sb_layout, (None, None, 0))
+        )
+        # Every consumer warp of every CTA that receives a stage (its own and,
+        # for multicast B, its cluster peers') releases it.
+        mainloop = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.barriers.data_ptr(),
+            num_stages=self.stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(
+                pipeline.Agent.Thread, self.cluster_m * self.consumer_warpgroups * 4
+            ),
+            tx_count=stage_bytes,
+            cta_layout_vmnk=cluster_layout,
+            defer_sync=True,
+        )
+        pipeline.pipeline_init_arrive(cluster_shape_mn=cluster_layout, is_relaxed=True)
+
+        sa = storage.sa.get_tensor(sa_layout.outer, swizzle=sa_layout.inner)
+        sb = storage.sb.get_tensor(sb_layout.outer, swizzle=sb_layout.inner)
+        sd = storage.sd.get_tensor(sd_layout.outer, swizzle=sd_layout.inner)
+
+        total_rows = ta.shape[0]
+        cluster_rows = self.tile_mnk[0] * self.cluster_m
+        cluster_id = cute.arch.block_idx()[2]
+        cluster_count = cute.arch.grid_dim()[2]
+        k_tiles = (ta.shape[1] + (TILE_K - 1)) // TILE_K
+        pipeline.pipeline_init_wait(cluster_shape_mn=cluster_layout)
+
+        warpgroup_idx = cute.arch.make_warp_uniform(tidx // THREADS_PER_WARPGROUP)
+        if warpgroup_idx == 0:
+            cute.arch.setmaxregister_decrease(PRODUCER_REGISTERS)
+            if warp_idx == 0:
+                self._produce(tma_a, ta, tma_b, tb, sa, sb, mainloop, cta_m, cu_seqlens, num_groups, total_rows,
+                              cluster_id, cluster_count, n_clusters, k_tiles)
+        else:
+            cute.arch.setmaxregister_increase(CONSUMER_REGISTERS)
+            self._consume(tiled_mma, tma_d, td, d, sa, sb, sd, mainloop, tidx - THREADS_PER_WARPGROUP, warp_idx, cta_m,
+                          cu_seqlens, num_groups, total_rows, cluster_id, cluster_count, n_clusters, k_tiles)
+
+    @cute.jit
+    def _tile(self, cu_seqlens, num_groups, total_rows, item, cursor, n_clusters, cta_m):
+        """Advance the cursor to ``item``; returns (cursor, valid, group, first row
+        of the group, rows of the group, M tile within the group, N tile)."""
+        cluster_rows = self.tile_mnk[0] * self.cluster_m
+        cursor = find_group(cu_seqlens, num_groups, total_rows, item, cursor, cluster_rows, n_clusters)
+        group, first_item, row_start, rows, m_clusters = cursor
+        m_cluster, n_tile = tile_in_group(item - first_item, cutlass.max(m_clusters, 1), n_clusters, self.band)
+        return cursor, group < num_groups, group, row_start, rows, m_cluster * self.cluster_m + cta_m, n_tile
+
+    @cute.jit
+    def _produce(self, tma_a, ta, tma_b, tb, sa, sb, mainloop, cta_m, cu_seqlens, num_groups, total_rows,
+                 cluster_id, cluster_count, n_clusters, k_tiles):
+        """Producer warp: TMA loads of A and B tiles, stage by stage."""
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+        b_mask = cute.make_layout_image_mask(cute.make_layout((self.cluster_m, 1, 1)), (cta_m, 0, 0), mode=0)
+        item = cluster_id
+        cursor = first_cursor(cu_seqlens, num_groups, total_rows, self.tile_mnk[0] * self.cluster_m)
+        cursor, valid, group, row_start, rows, m_tile, n_tile = self._tile(
+            cu_seqlens, num_groups, total_rows, item, cursor, n_clusters, cta_m
+        )
+        while valid:
+            ga = cute.local_tile(cute.domain_offset((row_start, 0), ta), (self.tile_mnk[0], TILE_K), (m_tile, None))
+            gb = cute.local_tile(tb[None, None, group], (self.tile_mnk[1], TILE_K), (n_tile, None))
+            tas, tag = cpasync.tma_partition(tma_a, 0, cute.make_layout(1), cute.group_modes(sa, 0, 2),
+                                             cute.group_modes(ga, 0, 2))
+            tbs, tbg = cpasync.tma_partition(tma_b, cta_m, cute.make_layout(self.cluster_m),
+                                             cute.group_modes(sb, 0, 2), cute.group_modes(gb, 0, 2))
+            for k in cutlass.range(k_tiles, unroll=1):
+                mainloop.producer_acquire(state)
+                barrier = mainloop.producer_get_barrier(state)
+                cute.copy(tma_a, tag[None, k], tas[None, state.index], tma_bar_ptr=barrier)
+                if const_expr(self.cluster_m > 1):
+                    cute.copy(tma_b, tbg[None, k], tbs[None, state.index], tma_bar_ptr=barrier, mcast_mask=b_mask)
+                else:
+                    cute.copy(tma_b, tbg[None, k], tbs[None, state.index], tma_bar_ptr=barrier)
+                mainloop.producer_commit(state)
+                state.advance()
+            item = item + cluster_count
+            cursor, valid, group, row_start, rows, m_tile, n_tile = self._tile(
+                cu_seqlens, num_groups, total_rows, item, cursor, n_clusters, cta_m
+            )
+        mainloop.producer_tail(state)
+
+    @cute.jit
+    def _consume(self, tiled_mma, tma_d, td, d, sa, sb, sd, mainloop, tidx, warp_idx, cta_m, cu_seqlens, num_groups,
+                 total_rows, cluster_id, cluster_count, n_clusters, k_tiles):
+        """Consumer warpgroups: WGMMA over the stages, then the epilogue."""
+        thr_mma = tiled_mma.get_slice(tidx)
+        frag_a = tiled_mma.make_fragment_A(thr_mma.partition_A(sa))
+        frag_b = tiled_mma.make_fragment_B(thr_mma.partition_B(sb))
+        acc_shape = thr_mma.partition_C(cute.make_identity_tensor(self.tile_mnk[:2])).shape
+        acc = cute.make_rmem_tensor(acc_shape, cutlass.Float32)
+        k_blocks = cute.size(frag_a, mode=[2])
+        tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+
+        # Epilogue: registers -> shared (stmatrix) -> global (TMA or predicated copy).
+        store_atom = cute.make_copy_atom(warp.StMatrix8x8x16bOp(self.d_major.is_m_major_c(), 4), self.d_dtype)
+        r2s = cute.make_tiled_copy_S(
+            sm90.get_smem_store_op(self.d_major, elem_ty_d=self.d_dtype, elem_ty_acc=cutlass.Float32),
+            cute.make_tiled_copy_C_atom(store_atom, tiled_mma),
+        )
+        thr_r2s = r2s.get_slice(tidx)
+        r2s_sd = thr_r2s.partition_D(sd)
+        r2s_acc = r2s.retile(acc)
+        sub_shape = cute.shape(thr_r2s.partition_S(sd))[:3]
+        sub_acc = cute.make_rmem_tensor(sub_shape, cutlass.Float32)
+        sub_out = cute.make_rmem_tensor(sub_shape, self.d_dtype)
+        store_pipe = pipeline.PipelineTmaStore.create(
+            num_stages=EPILOGUE_BUFFERS,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.consumer_threads),
+        )
+        epi_barrier = pipeline.NamedBarrier(barrier_id=EPILOGUE_BARRIER_ID, num_threads=self.consumer_threads)
+        store_warp = warp_idx == 4
+        subtiles = self.tile_mnk[1] // EPILOGUE_N
+
+        read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+        release_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+        item = cluster_id
+        tiles_done = Int32(0)
+        cursor = first_cursor(cu_seqlens, num_groups, total_rows, self.tile_mnk[0] * self.cluster_m)
+        cursor, valid, group, row_start, rows, m_tile, n_tile = self._tile(
+            cu_seqlens, num_groups, total_rows, item, cursor, n_clusters, cta_m
+        )
+        while valid:
+            # Mainloop: one WGMMA batch stays in flight; its stage is released one step late.
+            acc.fill(0.0)
+            for k in cutlass.range(k_tiles, unroll=1):
+                mainloop.consumer_wait(read_state)
+                warpgroup.fence()
+                for kb in cutlass.range_constexpr(k_blocks):
+                    cute.gemm(tiled_mma, acc, frag_a[None, None, kb, read_state.index],
+                              frag_b[None, None, kb, read_state.index], acc)
+                warpgroup.commit_group()
+                warpgroup.wait_group(1)
+                if k > 0:
+                    mainloop.consumer_release(release_state)
+                    release_state.advance()
+                read_state.advance()
+            warpgroup.wait_group(0)
+            if k_tiles > 0:
+                mainloop.consumer_release(release_state)
+                release_state.advance()
+
+            # Epilogue.
+            rows_left = rows - m_tile * self.tile_mnk[0]
+            whole_tile = rows_left >= self.tile_mnk[0]
+            gd_tma = cute.local_tile(cute.domain_offset((row_start, 0), td), self.tile_mnk[:2], (m_tile, n_tile))
+            sub_gd_tma = cute.zipped_divide(gd_tma, self.epi_tile)
+            bsd, bgd = cpasync.tma_partition(tma_d, 0, cute.make_layout(1), cute.group_modes(sd, 0, 2), sub_gd_tma)
+            for sub in cutlass.range_constexpr(subtiles):
+                for v in cutlass.range_constexpr(cute.size(sub_acc)):
+                    sub_acc[v] = r2s_acc[sub * cute.size(sub_acc) + v]
+                sub_out.store(sub_acc.load().to(self.d_dtype))
+                buffer = (tiles_done * subtiles + sub) % EPILOGUE_BUFFERS
+                cute.copy(r2s, sub_out, r2s_sd[None, None, None, buffer])
+                cute.arch.fence_proxy("async.shared", space="cta")
+                epi_barrier.arrive_and_wait()
+                if whole_tile:
+                    if store_warp:
+                        cute.copy(tma_d, bsd[None, buffer], bgd[None, (0, sub)])
+                        store_pipe.producer_commit()
+                        store_pipe.producer_acquire()
+                elif rows_left > 0:
+                    self._store_rows(sd[None, None, buffer], d, row_start, m_tile, n_tile, sub, rows_left, tidx)
+                epi_barrier.arrive_and_wait()
+            tiles_done = tiles_done + 1
+            item = item + cluster_count
+            cursor, valid, group, row_start, rows, m_tile, n_tile = self._tile(
+                cu_seqlens, num_groups, total_rows, item, cursor, n_clusters, cta_m
+            )
+        store_pipe.producer_tail()
+
+    @cute.jit
+    def _store_rows(self, sd_buffer, d, row_start, m_tile, n_tile, sub, rows_left, tidx):
+        """Predicated copy of one epilogue subtile to global memory: the rows of a
+        group's last tile that belong to the group, and columns inside N."""
+        vec = 128 // self.d_dtype.width
+        lanes_n = EPILOGUE_N // vec
+        copy = cute.make_tiled_copy_tv(
+            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.d_dtype, num_bits_per_copy=128),
+            cute.make_layout((self.consumer_threads // lanes_n, lanes_n), stride=(lanes_n, 1)),
+            cute.make_layout((1, vec)),
+        )
+        col0 = n_tile * self.tile_mnk[1] + sub * EPILOGUE_N
+        gd = cute.local_tile(cute.domain_offset((row_start + m_tile * self.tile_mnk[0], col0), d), self.epi_tile,
+                             (0, 0))
+        coords = cute.make_identity_tensor(self.epi_tile)
+        thr = copy.get_slice(tidx)
+        src, dst, crd = thr.partition_S(sd_buffer), thr.partition_D(gd), thr.partition_D(coords)
+        cols_left = d.shape[1] - col0
+        for i in cutlass.range_constexpr(cute.size(src, mode=[1])):
+            for j in cutlass.range_constexpr(cute.size(src, mode=[2])):
+                row, col = crd[0, i, j]
+                if (row < rows_left) & (col < cols_left):
+                    cute.copy(copy, src[None, i, j], dst[None, i, j])

@@ -1,0 +1,67 @@
+"""Work order of the persistent GEMM: which output tile a cluster computes next.
+
+Each cluster walks work items ``w = cluster_id, cluster_id + num_clusters, ...``.
+Items are numbered group by group (one group for a dense GEMM); group ``g``
+owns ``ceil(rows_g / cluster_rows) * n_clusters`` items, empty groups none.
+Inside a group, items run along bands of ``band`` cluster columns (N fastest
+within a band, then down M), so that the clusters in flight cover a roughly
+square patch of the output and share A row blocks and B column blocks in L2.
+
+A group cursor is the tuple (group, first item, first row, rows, M clusters).
+
+The producer warp and the consumer warpgroups each run their own copy of this
+walk; it is deterministic, so they agree without exchanging messages.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Int32
+
+
+def group_rows(cu_seqlens, group, num_groups, total_rows):
+    """(first row, row count) of ``group``: all rows for a dense GEMM
+    (``cu_seqlens`` None); (total rows, 0) past the last group, so the walk can
+    step one past the end without reading out of bounds."""
+    if cutlass.const_expr(cu_seqlens is None):
+        return Int32(0), total_rows
+    start = cu_seqlens[cutlass.min(group, num_groups)]
+    return start, cu_seqlens[cutlass.min(group + 1, num_groups)] - start
+
+
+def first_cursor(cu_seqlens, num_groups, total_rows, cluster_rows: int):
+    """The cursor at group 0."""
+    row_start, rows = group_rows(cu_seqlens, Int32(0), num_groups, total_rows)
+    return Int32(0), Int32(0), row_start, rows, (rows + (cluster_rows - 1)) // cluster_rows
+
+
+@cute.jit
+def find_group(cu_seqlens, num_groups: Int32, total_rows: Int32, item: Int32, cursor,
+               cluster_rows: cutlass.Constexpr, n_clusters: Int32):
+    """Advance a group cursor until ``item`` lies in its group or the groups run
+    out (then its group is ``num_groups``).  Items only grow, so each walk is
+    linear in the number of groups overall."""
+    group, first_item, row_start, rows, m_clusters = cursor
+    items = m_clusters * n_clusters
+    if cutlass.const_expr(cu_seqlens is None):
+        if item >= items:
+            group = num_groups
+    else:
+        while (item >= first_item + items) & (group < num_groups):
+            first_item = first_item + items
+            group = group + 1
+            row_start, rows = group_rows(cu_seqlens, group, num_groups, total_rows)
+            m_clusters = (rows + (cluster_rows - 1)) // cluster_rows
+            items = m_clusters * n_clusters
+    return group, first_item, row_start, rows, m_clusters
+
+
+def tile_in_group(local_item, m_clusters, n_clusters, band: int):
+    """(M cluster, N cluster) of the ``local_item``-th item of a group: bands of
+    ``band`` N clusters, N fastest inside a band (the last band may be narrower)."""
+    band_items = m_clusters * band
+    band_index = local_item // band_items
+    rest = local_item - band_index * band_items
+    width = cutlass.min(Int32(band), n_clusters - band_index * band)
+    return rest // width, band_index * band + rest % width

@@ -1,0 +1,56 @@
+"""GEMM input validation: clear errors before any launch (no GPU needed)."""
+
+import pytest
+import torch
+
+import quack
+from quack.compile_only import compile_only_mode
+
+
+def _cuda(*shape, dtype=torch.bfloat16):
+    return torch.empty(*shape, device="cuda", dtype=dtype)
+
+
+@pytest.fixture
+def fake():
+    """Fake CUDA tensors: validation runs before anything touches a device."""
+    with compile_only_mode():
+        yield
+
+
+def test_dtypes(fake):
+    with pytest.raises(TypeError, match="dtype float32"):
+        quack.gemm(_cuda(8, 8, dtype=torch.float32), _cuda(8, 8, dtype=torch.float32))
+    with pytest.raises(TypeError, match="dtype float16"):
+        quack.gemm(_cuda(8, 8), _cuda(8, 8, dtype=torch.float16))
+    with pytest.raises(TypeError, match="out_dtype"):
+        quack.gemm(_cuda(8, 8), _cuda(8, 8), out_dtype=torch.float32)
+    with pytest.raises(TypeError, match="int32"):
+        quack.gemm(_cuda(8, 8), _cuda(1, 8, 8), cu_seqlens_m=_cuda(2, dtype=torch.int64))
+
+
+def test_devices():
+    with pytest.raises(ValueError, match="CUDA device"):
+        quack.gemm(torch.randn(8, 8, dtype=torch.bfloat16), torch.randn(8, 8, dtype=torch.bfloat16))
+
+
+def test_shapes(fake):
+    with pytest.raises(ValueError, match="K mismatch"):
+        quack.gemm(_cuda(8, 16), _cuda(8, 8))
+    with pytest.raises(ValueError, match="2-D"):
+        quack.gemm(_cuda(8, 8), _cuda(2, 8, 8))
+    with pytest.raises(ValueError, match="3-D"):
+        quack.gemm(_cuda(8, 8), _cuda(8, 8), cu_seqlens_m=_cuda(3, dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"shape \(3,\) for 2 groups"):
+        quack.gemm(_cuda(8, 8), _cuda(2, 8, 8), cu_seqlens_m=_cuda(4, dtype=torch.int32))
+
+
+def test_alignment(fake):
+    with pytest.raises(ValueError, match="multiples of 8"):
+        quack.gemm(_cuda(8, 12), _cuda(12, 8))
+    with pytest.raises(ValueError, match="multiples of 8"):
+        quack.gemm(_cuda(8, 8), _cuda(8, 12))
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        quack.gemm(_cuda(72).as_strided((8, 8), (8, 1), 1), _cuda(8, 8))
+    with pytest.raises(ValueError, match="stride 12"):
+        quack.gemm(_cuda(96).as_strided((8, 8), (12, 1)), _cuda(8, 8))

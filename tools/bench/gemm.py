@@ -1,0 +1,93 @@
+"""GEMM: quack vs cuBLAS (torch.matmul) and torch's grouped GEMM, in TFLOP/s.
+
+    python tools/bench/gemm.py [--plot gemm.png]
+
+Dense bf16 (M, K) @ (K, N) with bf16 output, and the grouped (variable-length
+M) products of issue 8: 8 groups of 2048 rows and 64 uneven groups summing to
+32768 rows, K = N = 4096.  The grouped references are ``torch._grouped_mm``
+(where this torch has it) and a loop of ``torch.matmul``.  Inputs are random
+(zeros would flatter every GEMM: the tensor cores draw less power).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+sys.path.insert(0, os.path.dirname(__file__))
+
+import torch  # noqa: E402
+
+import quack  # noqa: E402
+from harness import bench_ms, parse_args, plot  # noqa: E402
+
+DENSE = [(8192, 8192, 8192), (4096, 4096, 4096), (8192, 4096, 4096)]
+
+
+def _uneven_lengths(groups: int, total: int) -> list[int]:
+    """Deterministic uneven group sizes (some empty) that sum to ``total``."""
+    gen = torch.Generator().manual_seed(0)
+    weights = torch.rand(groups, generator=gen) ** 2
+    weights[::9] = 0
+    lengths = (weights / weights.sum() * total).floor().to(torch.int64)
+    lengths[-1] += total - int(lengths.sum())
+    return lengths.tolist()
+
+
+def _grouped_case(lengths, k, n):
+    a = torch.randn(sum(lengths), k, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(len(lengths), k, n, device="cuda", dtype=torch.bfloat16)
+    cu = torch.nn.functional.pad(torch.tensor(lengths, device="cuda").cumsum(0), (1, 0)).to(torch.int32)
+    bounds = cu.tolist()
+    impls = {
+        "quack": lambda: quack.gemm(a, b, cu_seqlens_m=cu),
+        "torch._grouped_mm": None,
+        "matmul loop": lambda: [a[bounds[g]:bounds[g + 1]] @ b[g] for g in range(len(lengths))],
+    }
+    if hasattr(torch, "_grouped_mm"):
+        b_cm = b.transpose(1, 2).contiguous().transpose(1, 2)  # column-major per group, as cuBLASLt wants
+        impls["torch._grouped_mm"] = lambda: torch._grouped_mm(a, b_cm, offs=cu[1:])
+    return 2 * sum(lengths) * k * n, impls
+
+
+def cases():
+    out = []
+    for m, n, k in DENSE:
+        a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        b = torch.randn(k, n, device="cuda", dtype=torch.bfloat16)
+        out.append((f"dense {m}x{n}x{k}", 2 * m * n * k, {
+            "quack": lambda a=a, b=b: quack.gemm(a, b),
+            "cuBLAS": lambda a=a, b=b: a @ b,
+        }))
+    for label, lengths in (("grouped 8x2048", [2048] * 8), ("grouped 64 uneven", _uneven_lengths(64, 32768))):
+        flops, impls = _grouped_case(lengths, 4096, 4096)
+        out.append((f"{label} K=N=4096", flops, impls))
+    return out
+
+
+def main() -> None:
+    args = parse_args("gemm.png")
+    title = "GEMM bf16 (H200)"
+    names = ["quack", "cuBLAS", "torch._grouped_mm", "matmul loop"]
+    print(f"\n{title}\n{'case':<34}" + "".join(f"{n:>20}" for n in names) + f"{'quack/best ref':>16}")
+    rows = []
+    for label, flops, impls in cases():
+        row = {"case": label}
+        for name in names:
+            fn = impls.get(name)
+            try:
+                row[name] = flops / (bench_ms(fn) * 1e-3) / 1e12 if fn else float("nan")
+            except Exception as exc:  # a reference this torch lacks is reported, not fatal
+                print(f"  {name} failed on {label}: {type(exc).__name__}: {exc}")
+                row[name] = float("nan")
+        refs = [row[n] for n in names[1:] if row[n] == row[n]]
+        ratio = f"{100 * row['quack'] / max(refs):.0f}%" if refs else "-"
+        print(f"{label:<34}" + "".join(f"{row[n]:>20.1f}" for n in names) + f"{ratio:>16}")
+        rows.append(row)
+    if args.plot:
+        plot(title, rows, names, None, "TFLOP/s", args.plot)
+
+
+if __name__ == "__main__":
+    main()
