@@ -14,9 +14,10 @@ their inputs with ``.item()`` on fake tensors.  TMA needs K and N multiples of
 a clear error before any launch.
 
 Tile configuration (``gemm_config``): 128 x 256 x 64 tiles, two consumer
-warpgroups, clusters of two CTAs along M sharing each B tile, output tiles
-walked in bands of 8 cluster columns.  N <= 128 uses 128 x 128 tiles so that
-half of each tile is not wasted.  No autotuning happens at call time.
+warpgroups, clusters of two CTAs along M sharing each B tile (along N, sharing
+each A tile, for varlen: groups then round up to 128 rows, not 256), output
+tiles walked in bands of 8 cluster columns.  N <= 128 uses 128 x 128 tiles so
+that half of each tile is not wasted.  No autotuning happens at call time.
 
 The kernel lives in ``quack/gemm_kernels.py`` (work order:
 ``quack/gemm_schedule.py``).  Test: ``pytest tests/test_gemm.py``; benchmark:
@@ -46,14 +47,18 @@ class GemmConfig(NamedTuple):
     tile_m: int = 128
     tile_n: int = 256
     cluster_m: int = 2
+    cluster_n: int = 1
     band: int = 8
 
 
-def gemm_config(n: int) -> GemmConfig:
+def gemm_config(n: int, varlen: bool) -> GemmConfig:
     """The documented heuristic (see the module docstring)."""
-    if n <= 128:
-        return GemmConfig(tile_n=128)
-    return GemmConfig()
+    tile_n = 128 if n <= 128 else 256
+    if varlen:
+        # Pair CTAs along N: a cluster then spans 128 rows, not 256, and the
+        # partial tile that ends each group wastes half as much.
+        return GemmConfig(tile_n=tile_n, cluster_m=1, cluster_n=2)
+    return GemmConfig(tile_n=tile_n)
 
 
 @jit_cache("gemm")
@@ -71,7 +76,7 @@ def compile_gemm(ab_dtype: str, d_dtype: str, b_n_major: bool, varlen: bool, con
     b = fake(ab, (groups, k, n) if b_n_major else (groups, n, k), (stride(), stride(), 1), assumed_align=16)
     d = fake(dt, (m, n), (stride(), 1), assumed_align=16)
     cu = cute.runtime.make_fake_compact_tensor(Int32, (cute.sym_int(),), assumed_align=4) if varlen else None
-    kernel = HopperGemm(cfg.tile_m, cfg.tile_n, cfg.cluster_m, cfg.band, b_n_major)
+    kernel = HopperGemm(cfg.tile_m, cfg.tile_n, cfg.cluster_m, cfg.cluster_n, cfg.band, b_n_major)
     return cute.compile(kernel, a, b, d, cu, Int32(1), cute.runtime.make_fake_stream(), options=compile_options())
 
 
@@ -79,10 +84,14 @@ def compile_gemm(ab_dtype: str, d_dtype: str, b_n_major: bool, varlen: bool, con
 def _gemm(a: torch.Tensor, b3: torch.Tensor, out: torch.Tensor, cu_seqlens: Optional[torch.Tensor],
           b_n_major: bool) -> None:
     """Launch on validated operands: b3 is (L, K, N) if ``b_n_major`` else (L, N, K)."""
-    cfg = gemm_config(out.shape[1])
+    launch_gemm(a, b3, out, cu_seqlens, b_n_major, gemm_config(out.shape[1], cu_seqlens is not None))
+
+
+def launch_gemm(a, b3, out, cu_seqlens, b_n_major: bool, cfg: GemmConfig) -> None:
+    """Run one configuration (the op uses ``gemm_config``'s; tools/bench/gemm_configs.py compares others)."""
     kernel = compile_gemm(ti.dtype_name(a.dtype), ti.dtype_name(out.dtype), b_n_major, cu_seqlens is not None,
                           tuple(cfg))
-    max_clusters = ti.sm_count(a.device.index or 0) // cfg.cluster_m
+    max_clusters = ti.sm_count(a.device.index or 0) // (cfg.cluster_m * cfg.cluster_n)
     kernel(a, b3, out, cu_seqlens, max_clusters, ti.current_stream(a.device))
 
 

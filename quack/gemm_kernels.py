@@ -45,7 +45,8 @@ EPILOGUE_BARRIER_ID = 1
 
 class HopperGemm:
     """One compiled configuration: tile (``tile_m`` x ``tile_n`` x 64), cluster
-    (``cluster_m``, 1), raster band width, dense or varlen.
+    (``cluster_m``, ``cluster_n``), raster band width, dense or varlen.  CTAs of a
+    cluster along M share (multicast) the B tile, along N the A tile.
 
     Call arguments (all dims dynamic): ``a`` (M, K) K-contiguous; ``b`` (L, K, N)
     N-contiguous when ``b_n_major`` else (L, N, K) K-contiguous; ``d`` (M, N)
@@ -53,9 +54,10 @@ class HopperGemm:
     ``max_clusters`` the number of clusters that fit on the device at once.
     """
 
-    def __init__(self, tile_m: int, tile_n: int, cluster_m: int, band: int, b_n_major: bool):
+    def __init__(self, tile_m: int, tile_n: int, cluster_m: int, cluster_n: int, band: int, b_n_major: bool):
         self.tile_mnk = (tile_m, tile_n, TILE_K)
         self.cluster_m = cluster_m
+        self.cluster_n = cluster_n
         self.band = band
         self.b_n_major = b_n_major
         self.consumer_warpgroups = tile_m // 64
@@ -84,12 +86,11 @@ class HopperGemm:
         sd_layout = self._epilogue_smem_layout()
 
         tma_a, ta = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileG2SOp(), a, cute.slice_(sa_layout, (None, None, 0)),
-            (self.tile_mnk[0], TILE_K),
+            _load_op(self.cluster_n), a, cute.slice_(sa_layout, (None, None, 0)), (self.tile_mnk[0], TILE_K),
+            num_multicast=self.cluster_n,
         )
-        b_op = cpasync.CopyBulkTensorTileG2SMulticastOp() if self.cluster_m > 1 else cpasync.CopyBulkTensorTileG2SOp()
         tma_b, tb = cpasync.make_tiled_tma_atom(
-            b_op, b, cute.slice_(sb_layout, (None, None, 0)), (self.tile_mnk[1], TILE_K),
+            _load_op(self.cluster_m), b, cute.slice_(sb_layout, (None, None, 0)), (self.tile_mnk[1], TILE_K),
             num_multicast=self.cluster_m,
         )
         tma_d, td = cpasync.make_tiled_tma_atom(
@@ -106,7 +107,8 @@ class HopperGemm:
         self.shared_storage = SharedStorage
 
         cluster_rows = self.tile_mnk[0] * self.cluster_m
-        n_clusters = (d.shape[1] + (self.tile_mnk[1] - 1)) // self.tile_mnk[1]
+        cluster_cols = self.tile_mnk[1] * self.cluster_n
+        n_clusters = (d.shape[1] + (cluster_cols - 1)) // cluster_cols
         num_groups = b.shape[2]
         # Work items: exact for dense; for varlen every group may end in a partial cluster.
         m_bound = (a.shape[0] + (cluster_rows - 1)) // cluster_rows
@@ -117,9 +119,9 @@ class HopperGemm:
             tma_a, ta, tma_b, tb, tma_d, td, d, cu_seqlens, tiled_mma, sa_layout, sb_layout, sd_layout,
             n_clusters, num_groups,
         ).launch(
-            grid=(self.cluster_m, 1, clusters),
+            grid=(self.cluster_m, self.cluster_n, clusters),
             block=(self.threads, 1, 1),
-            cluster=(self.cluster_m, 1, 1),
+            cluster=(self.cluster_m, self.cluster_n, 1),
             min_blocks_per_mp=1,
             stream=stream,
         )
@@ -159,8 +161,9 @@ class HopperGemm:
             cpasync.prefetch_descriptor(tma_a)
             cpasync.prefetch_descriptor(tma_b)
             cpasync.prefetch_descriptor(tma_d)
-        cta_m = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
-        cluster_layout = cute.make_layout((1, self.cluster_m, 1, 1))
+        cta_rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
+        cta_m, cta_n = cta_rank % self.cluster_m, cta_rank // self.cluster_m
+        cluster_layout = cute.make_layout((1, self.cluster_m, self.cluster_n, 1))
 
         storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
         stage_bytes = cute.size_in_bytes(self.ab_dtype, cute.slice_(sa_layout, (None, None, 0))) + cute.size_in_bytes(
@@ -173,7 +176,7 @@ class HopperGemm:
             num_stages=self.stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
             consumer_group=pipeline.CooperativeGroup(
-                pipeline.Agent.Thread, self.cluster_m * self.consumer_warpgroups * 4
+                pipeline.Agent.Thread, (self.cluster_m + self.cluster_n - 1) * self.consumer_warpgroups * 4
             ),
             tx_count=stage_bytes,
             cta_layout_vmnk=cluster_layout,
@@ -196,60 +199,61 @@ class HopperGemm:
         if warpgroup_idx == 0:
             cute.arch.setmaxregister_decrease(PRODUCER_REGISTERS)
             if warp_idx == 0:
-                self._produce(tma_a, ta, tma_b, tb, sa, sb, mainloop, cta_m, cu_seqlens, num_groups, total_rows,
-                              cluster_id, cluster_count, n_clusters, k_tiles)
+                self._produce(tma_a, ta, tma_b, tb, sa, sb, mainloop, cta_m, cta_n, cu_seqlens, num_groups,
+                              total_rows, cluster_id, cluster_count, n_clusters, k_tiles)
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGISTERS)
-            self._consume(tiled_mma, tma_d, td, d, sa, sb, sd, mainloop, tidx - THREADS_PER_WARPGROUP, warp_idx, cta_m,
-                          cu_seqlens, num_groups, total_rows, cluster_id, cluster_count, n_clusters, k_tiles)
+            self._consume(tiled_mma, tma_d, td, d, sa, sb, sd, mainloop, tidx - THREADS_PER_WARPGROUP, warp_idx,
+                          cta_m, cta_n, cu_seqlens, num_groups, total_rows, cluster_id, cluster_count, n_clusters,
+                          k_tiles)
 
     @cute.jit
-    def _tile(self, cu_seqlens, num_groups, total_rows, item, cursor, n_clusters, cta_m):
+    def _tile(self, cu_seqlens, num_groups, total_rows, item, cursor, n_clusters, cta_m, cta_n):
         """Advance the cursor to ``item``; returns (cursor, valid, group, first row
         of the group, rows of the group, M tile within the group, N tile)."""
         cluster_rows = self.tile_mnk[0] * self.cluster_m
         cursor = find_group(cu_seqlens, num_groups, total_rows, item, cursor, cluster_rows, n_clusters)
         group, first_item, row_start, rows, m_clusters = cursor
-        m_cluster, n_tile = tile_in_group(item - first_item, cutlass.max(m_clusters, 1), n_clusters, self.band)
-        return cursor, group < num_groups, group, row_start, rows, m_cluster * self.cluster_m + cta_m, n_tile
+        m_cluster, n_cluster = tile_in_group(item - first_item, cutlass.max(m_clusters, 1), n_clusters, self.band)
+        m_tile = m_cluster * self.cluster_m + cta_m
+        return cursor, group < num_groups, group, row_start, rows, m_tile, n_cluster * self.cluster_n + cta_n
 
     @cute.jit
-    def _produce(self, tma_a, ta, tma_b, tb, sa, sb, mainloop, cta_m, cu_seqlens, num_groups, total_rows,
+    def _produce(self, tma_a, ta, tma_b, tb, sa, sb, mainloop, cta_m, cta_n, cu_seqlens, num_groups, total_rows,
                  cluster_id, cluster_count, n_clusters, k_tiles):
         """Producer warp: TMA loads of A and B tiles, stage by stage."""
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
-        b_mask = cute.make_layout_image_mask(cute.make_layout((self.cluster_m, 1, 1)), (cta_m, 0, 0), mode=0)
+        cluster = cute.make_layout((self.cluster_m, self.cluster_n, 1))
+        a_mask = cute.make_layout_image_mask(cluster, (cta_m, cta_n, 0), mode=1)
+        b_mask = cute.make_layout_image_mask(cluster, (cta_m, cta_n, 0), mode=0)
         item = cluster_id
         cursor = first_cursor(cu_seqlens, num_groups, total_rows, self.tile_mnk[0] * self.cluster_m)
         cursor, valid, group, row_start, rows, m_tile, n_tile = self._tile(
-            cu_seqlens, num_groups, total_rows, item, cursor, n_clusters, cta_m
+            cu_seqlens, num_groups, total_rows, item, cursor, n_clusters, cta_m, cta_n
         )
         while valid:
             ga = cute.local_tile(cute.domain_offset((row_start, 0), ta), (self.tile_mnk[0], TILE_K), (m_tile, None))
             gb = cute.local_tile(tb[None, None, group], (self.tile_mnk[1], TILE_K), (n_tile, None))
-            tas, tag = cpasync.tma_partition(tma_a, 0, cute.make_layout(1), cute.group_modes(sa, 0, 2),
-                                             cute.group_modes(ga, 0, 2))
+            tas, tag = cpasync.tma_partition(tma_a, cta_n, cute.make_layout(self.cluster_n),
+                                             cute.group_modes(sa, 0, 2), cute.group_modes(ga, 0, 2))
             tbs, tbg = cpasync.tma_partition(tma_b, cta_m, cute.make_layout(self.cluster_m),
                                              cute.group_modes(sb, 0, 2), cute.group_modes(gb, 0, 2))
             for k in cutlass.range(k_tiles, unroll=1):
                 mainloop.producer_acquire(state)
                 barrier = mainloop.producer_get_barrier(state)
-                cute.copy(tma_a, tag[None, k], tas[None, state.index], tma_bar_ptr=barrier)
-                if const_expr(self.cluster_m > 1):
-                    cute.copy(tma_b, tbg[None, k], tbs[None, state.index], tma_bar_ptr=barrier, mcast_mask=b_mask)
-                else:
-                    cute.copy(tma_b, tbg[None, k], tbs[None, state.index], tma_bar_ptr=barrier)
+                _tma_load(tma_a, tag[None, k], tas[None, state.index], barrier, a_mask, self.cluster_n)
+                _tma_load(tma_b, tbg[None, k], tbs[None, state.index], barrier, b_mask, self.cluster_m)
                 mainloop.producer_commit(state)
                 state.advance()
             item = item + cluster_count
             cursor, valid, group, row_start, rows, m_tile, n_tile = self._tile(
-                cu_seqlens, num_groups, total_rows, item, cursor, n_clusters, cta_m
+                cu_seqlens, num_groups, total_rows, item, cursor, n_clusters, cta_m, cta_n
             )
         mainloop.producer_tail(state)
 
     @cute.jit
-    def _consume(self, tiled_mma, tma_d, td, d, sa, sb, sd, mainloop, tidx, warp_idx, cta_m, cu_seqlens, num_groups,
-                 total_rows, cluster_id, cluster_count, n_clusters, k_tiles):
+    def _consume(self, tiled_mma, tma_d, td, d, sa, sb, sd, mainloop, tidx, warp_idx, cta_m, cta_n, cu_seqlens,
+                 num_groups, total_rows, cluster_id, cluster_count, n_clusters, k_tiles):
         """Consumer warpgroups: WGMMA over the stages, then the epilogue."""
         thr_mma = tiled_mma.get_slice(tidx)
         frag_a = tiled_mma.make_fragment_A(thr_mma.partition_A(sa))
@@ -285,7 +289,7 @@ class HopperGemm:
         tiles_done = Int32(0)
         cursor = first_cursor(cu_seqlens, num_groups, total_rows, self.tile_mnk[0] * self.cluster_m)
         cursor, valid, group, row_start, rows, m_tile, n_tile = self._tile(
-            cu_seqlens, num_groups, total_rows, item, cursor, n_clusters, cta_m
+            cu_seqlens, num_groups, total_rows, item, cursor, n_clusters, cta_m, cta_n
         )
         while valid:
             # Mainloop: one WGMMA batch stays in flight; its stage is released one step late.
@@ -332,7 +336,7 @@ class HopperGemm:
             tiles_done = tiles_done + 1
             item = item + cluster_count
             cursor, valid, group, row_start, rows, m_tile, n_tile = self._tile(
-                cu_seqlens, num_groups, total_rows, item, cursor, n_clusters, cta_m
+                cu_seqlens, num_groups, total_rows, item, cursor, n_clusters, cta_m, cta_n
             )
         store_pipe.producer_tail()
 
@@ -359,3 +363,16 @@ class HopperGemm:
                 row, col = crd[0, i, j]
                 if (row < rows_left) & (col < cols_left):
                     cute.copy(copy, src[None, i, j], dst[None, i, j])
+
+
+def _tma_load(atom, src, dst, barrier, mask, multicast: int):
+    """One TMA load completing on ``barrier``; multicast with ``mask`` when shared."""
+    if const_expr(multicast > 1):
+        cute.copy(atom, src, dst, tma_bar_ptr=barrier, mcast_mask=mask)
+    else:
+        cute.copy(atom, src, dst, tma_bar_ptr=barrier)
+
+
+def _load_op(multicast: int):
+    """TMA load, multicast to the cluster peers that share the tile."""
+    return cpasync.CopyBulkTensorTileG2SMulticastOp() if multicast > 1 else cpasync.CopyBulkTensorTileG2SOp()

@@ -7,6 +7,7 @@ families' actions; tests/BUILD.bazel makes its test a GPU test that consumes the
 
 KERNEL_FAMILIES = [
     "cross_entropy",
+    "gemm",
     "layernorm",
     "rmsnorm",
     "softmax",

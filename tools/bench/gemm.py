@@ -66,6 +66,22 @@ def cases():
     return out
 
 
+ROUNDS = 3
+
+
+def _tflops(label, name, fn, flops) -> float:
+    """Median over ROUNDS timings (each a do_bench median): the H200's clocks
+    drift with power and temperature, so one timing per side is too noisy."""
+    if fn is None:
+        return float("nan")
+    try:
+        times = sorted(bench_ms(fn) for _ in range(ROUNDS))
+    except Exception as exc:  # a reference this torch lacks is reported, not fatal
+        print(f"  {name} failed on {label}: {type(exc).__name__}: {exc}")
+        return float("nan")
+    return flops / (times[ROUNDS // 2] * 1e-3) / 1e12
+
+
 def main() -> None:
     args = parse_args("gemm.png")
     title = "GEMM bf16 (H200)"
@@ -75,12 +91,7 @@ def main() -> None:
     for label, flops, impls in cases():
         row = {"case": label}
         for name in names:
-            fn = impls.get(name)
-            try:
-                row[name] = flops / (bench_ms(fn) * 1e-3) / 1e12 if fn else float("nan")
-            except Exception as exc:  # a reference this torch lacks is reported, not fatal
-                print(f"  {name} failed on {label}: {type(exc).__name__}: {exc}")
-                row[name] = float("nan")
+            row[name] = _tflops(label, name, impls.get(name), flops)
         refs = [row[n] for n in names[1:] if row[n] == row[n]]
         ratio = f"{100 * row['quack'] / max(refs):.0f}%" if refs else "-"
         print(f"{label:<34}" + "".join(f"{row[n]:>20.1f}" for n in names) + f"{ratio:>16}")

@@ -1,0 +1,82 @@
+"""Tile configurations of the GEMM side by side (the evidence behind ``gemm_config``).
+
+    python tools/bench/gemm_configs.py            # on the GPU: a table in TFLOP/s
+    python tools/bench/gemm_configs.py --warm DIR # on any machine: export the objects to DIR
+
+Each row is one problem, each column one (cluster M x N, raster band)
+configuration of 128 x 256 tiles, with cuBLAS (dense) or torch._grouped_mm
+(grouped) measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+sys.path.insert(0, os.path.dirname(__file__))
+
+import torch  # noqa: E402
+
+from quack.gemm import GemmConfig, launch_gemm  # noqa: E402
+
+CONFIGS = [
+    GemmConfig(cluster_m=2, cluster_n=1, band=8),
+    GemmConfig(cluster_m=1, cluster_n=2, band=8),
+    GemmConfig(cluster_m=1, cluster_n=1, band=8),
+    GemmConfig(cluster_m=2, cluster_n=1, band=4),
+    GemmConfig(cluster_m=2, cluster_n=1, band=16),
+]
+PROBLEMS = [("dense", 8192, 8192, 8192, None), ("dense", 4096, 4096, 4096, None),
+            ("grouped", 16384, 4096, 4096, [2048] * 8), ("grouped", 32768, 4096, 4096, [512] * 64),
+            ("grouped", 32768, 4096, 4096, "uneven")]
+
+
+def _operands(m, n, k, groups):
+    from gemm import _uneven_lengths
+
+    a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    if groups is None:
+        return a, torch.randn(1, k, n, device="cuda", dtype=torch.bfloat16), None, None
+    lengths = _uneven_lengths(64, m) if groups == "uneven" else groups
+    b = torch.randn(len(lengths), k, n, device="cuda", dtype=torch.bfloat16)
+    cu = torch.nn.functional.pad(torch.tensor(lengths, device="cuda").cumsum(0), (1, 0)).to(torch.int32)
+    b_cm = b.transpose(1, 2).contiguous().transpose(1, 2)
+    return a, b, cu, lambda: torch._grouped_mm(a, b_cm, offs=cu[1:])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--warm", help="export every configuration's objects to this cache directory")
+    args = parser.parse_args()
+    if args.warm:
+        os.environ["QUACK_CACHE_DIR"] = args.warm
+        from quack.compile_only import compile_only_mode
+
+        with compile_only_mode():
+            for varlen in (False, True):
+                a, b = torch.empty(8, 8, device="cuda", dtype=torch.bfloat16), torch.empty(
+                    1, 8, 8, device="cuda", dtype=torch.bfloat16)
+                cu = torch.zeros(2, device="cuda", dtype=torch.int32) if varlen else None
+                for cfg in CONFIGS:
+                    launch_gemm(a, b, torch.empty(8, 8, device="cuda", dtype=torch.bfloat16), cu, True, cfg)
+        return
+    from harness import bench_ms
+
+    names = [f"{c.cluster_m}x{c.cluster_n} band {c.band}" for c in CONFIGS]
+    print(f"{'problem':<28}" + "".join(f"{n:>16}" for n in names) + f"{'reference':>12}")
+    for kind, m, n, k, groups in PROBLEMS:
+        a, b, cu, ref = _operands(m, n, k, groups)
+        out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+        flops = 2 * m * n * k
+        line = f"{kind} {m}x{n}x{k}" + (f" G={len(groups)}" if isinstance(groups, list) else f" {groups or ''}")
+        line = f"{line:<28}"
+        for cfg in CONFIGS:
+            line += f"{flops / bench_ms(lambda cfg=cfg: launch_gemm(a, b, out, cu, True, cfg)) / 1e9:>16.1f}"
+        ref = ref or (lambda: a @ b[0])
+        print(line + f"{flops / bench_ms(ref) / 1e9:>12.1f}")
+
+
+if __name__ == "__main__":
+    main()
