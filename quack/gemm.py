@@ -14,10 +14,14 @@ their inputs with ``.item()`` on fake tensors.  TMA needs K and N multiples of
 a clear error before any launch.
 
 Tile configuration (``gemm_config``): 128 x 256 x 64 tiles, two consumer
-warpgroups, clusters of two CTAs along M sharing each B tile (along N, sharing
-each A tile, for varlen: groups then round up to 128 rows, not 256), output
-tiles walked in bands of 8 cluster columns.  N <= 128 uses 128 x 128 tiles so
-that half of each tile is not wasted.  No autotuning happens at call time.
+warpgroups, clusters of two CTAs along M sharing each B tile, output tiles
+walked in bands of 8 cluster columns.  A varlen GEMM with fewer than 2048 rows
+per group on average pairs CTAs along N instead (sharing each A tile): a
+cluster then spans 128 rows, not 256, and the partial tile at the end of each
+group wastes half as much.  N <= 128 uses 128 x 128 tiles so that half of each
+tile is not wasted.  Measured in tools/bench/gemm_configs.py; no autotuning
+happens at call time.  Under compile-only every configuration the heuristic
+can pick is exported, since fake tensors carry sentinel sizes.
 
 The kernel lives in ``quack/gemm_kernels.py`` (work order:
 ``quack/gemm_schedule.py``).  Test: ``pytest tests/test_gemm.py``; benchmark:
@@ -34,11 +38,13 @@ from cutlass import Int32
 
 from quack import torch_interop as ti
 from quack.cache import compile_options, jit_cache
+from quack.compile_only import is_compile_only
 from quack.cute_op import cute_op
 from quack.gemm_kernels import HopperGemm
 
 INPUT_DTYPES = (torch.bfloat16, torch.float16)
 _ALIGN_ELEMENTS = 8  # 16 bytes of a 16-bit dtype
+LARGE_GROUP_ROWS = 2048  # varlen: from this many rows per group on, clusters pair CTAs along M
 
 
 class GemmConfig(NamedTuple):
@@ -51,14 +57,21 @@ class GemmConfig(NamedTuple):
     band: int = 8
 
 
-def gemm_config(n: int, varlen: bool) -> GemmConfig:
-    """The documented heuristic (see the module docstring)."""
+def gemm_config(n: int, rows_per_group: Optional[float] = None) -> GemmConfig:
+    """The documented heuristic (see the module docstring); ``rows_per_group``
+    is total_M / G for a varlen GEMM, None for a dense one."""
     tile_n = 128 if n <= 128 else 256
-    if varlen:
+    if rows_per_group is not None and rows_per_group < LARGE_GROUP_ROWS:
         # Pair CTAs along N: a cluster then spans 128 rows, not 256, and the
         # partial tile that ends each group wastes half as much.
         return GemmConfig(tile_n=tile_n, cluster_m=1, cluster_n=2)
     return GemmConfig(tile_n=tile_n)
+
+
+def candidate_configs(varlen: bool) -> list[GemmConfig]:
+    """Every configuration ``gemm_config`` can pick for a dense or a varlen GEMM."""
+    sizes = (1.0, float(LARGE_GROUP_ROWS)) if varlen else (None,)
+    return sorted({gemm_config(n, rows) for n in (128, 256) for rows in sizes})
 
 
 @jit_cache("gemm")
@@ -84,7 +97,15 @@ def compile_gemm(ab_dtype: str, d_dtype: str, b_n_major: bool, varlen: bool, con
 def _gemm(a: torch.Tensor, b3: torch.Tensor, out: torch.Tensor, cu_seqlens: Optional[torch.Tensor],
           b_n_major: bool) -> None:
     """Launch on validated operands: b3 is (L, K, N) if ``b_n_major`` else (L, N, K)."""
-    launch_gemm(a, b3, out, cu_seqlens, b_n_major, gemm_config(out.shape[1], cu_seqlens is not None))
+    varlen = cu_seqlens is not None
+    if is_compile_only():
+        # The configuration depends on sizes that fake tensors only pretend to
+        # have (``.item()`` sentinels): export every one the heuristic can pick.
+        for cfg in candidate_configs(varlen):
+            compile_gemm(ti.dtype_name(a.dtype), ti.dtype_name(out.dtype), b_n_major, varlen, tuple(cfg))
+        return
+    rows_per_group = a.shape[0] / max(1, b3.shape[0]) if varlen else None
+    launch_gemm(a, b3, out, cu_seqlens, b_n_major, gemm_config(out.shape[1], rows_per_group))
 
 
 def launch_gemm(a, b3, out, cu_seqlens, b_n_major: bool, cfg: GemmConfig) -> None:

@@ -189,7 +189,6 @@ class HopperGemm:
         sd = storage.sd.get_tensor(sd_layout.outer, swizzle=sd_layout.inner)
 
         total_rows = ta.shape[0]
-        cluster_rows = self.tile_mnk[0] * self.cluster_m
         cluster_id = cute.arch.block_idx()[2]
         cluster_count = cute.arch.grid_dim()[2]
         k_tiles = (ta.shape[1] + (TILE_K - 1)) // TILE_K
@@ -209,14 +208,23 @@ class HopperGemm:
 
     @cute.jit
     def _tile(self, cu_seqlens, num_groups, total_rows, item, cursor, n_clusters, cta_m, cta_n):
-        """Advance the cursor to ``item``; returns (cursor, valid, group, first row
-        of the group, rows of the group, M tile within the group, N tile)."""
-        cluster_rows = self.tile_mnk[0] * self.cluster_m
-        cursor = find_group(cu_seqlens, num_groups, total_rows, item, cursor, cluster_rows, n_clusters)
+        """Advance the cursor to ``item``; returns (cursor, valid, group, first row of
+        the tile in A and D, rows of the tile to store, N tile).
+
+        The last tile of a group of at least ``tile_m`` rows is moved up to end
+        at the group's end: it recomputes rows of the tile before it (both write
+        correct values there) and is stored whole by TMA, where a tile hanging
+        over the next group would need a predicated store."""
+        tile_m = self.tile_mnk[0]
+        cursor = find_group(cu_seqlens, num_groups, total_rows, item, cursor, tile_m * self.cluster_m, n_clusters)
         group, first_item, row_start, rows, m_clusters = cursor
         m_cluster, n_cluster = tile_in_group(item - first_item, cutlass.max(m_clusters, 1), n_clusters, self.band)
-        m_tile = m_cluster * self.cluster_m + cta_m
-        return cursor, group < num_groups, group, row_start, rows, m_tile, n_cluster * self.cluster_n + cta_n
+        tile_row = (m_cluster * self.cluster_m + cta_m) * tile_m
+        if rows >= tile_m:
+            tile_row = cutlass.min(tile_row, rows - tile_m)
+        # Never past D's end, whatever cu_seqlens says.
+        rows_left = cutlass.min(rows, total_rows - row_start) - tile_row
+        return cursor, group < num_groups, group, row_start + tile_row, rows_left, n_cluster * self.cluster_n + cta_n
 
     @cute.jit
     def _produce(self, tma_a, ta, tma_b, tb, sa, sb, mainloop, cta_m, cta_n, cu_seqlens, num_groups, total_rows,
@@ -228,11 +236,11 @@ class HopperGemm:
         b_mask = cute.make_layout_image_mask(cluster, (cta_m, cta_n, 0), mode=0)
         item = cluster_id
         cursor = first_cursor(cu_seqlens, num_groups, total_rows, self.tile_mnk[0] * self.cluster_m)
-        cursor, valid, group, row_start, rows, m_tile, n_tile = self._tile(
+        cursor, valid, group, tile_start, rows_left, n_tile = self._tile(
             cu_seqlens, num_groups, total_rows, item, cursor, n_clusters, cta_m, cta_n
         )
         while valid:
-            ga = cute.local_tile(cute.domain_offset((row_start, 0), ta), (self.tile_mnk[0], TILE_K), (m_tile, None))
+            ga = cute.local_tile(cute.domain_offset((tile_start, 0), ta), (self.tile_mnk[0], TILE_K), (0, None))
             gb = cute.local_tile(tb[None, None, group], (self.tile_mnk[1], TILE_K), (n_tile, None))
             tas, tag = cpasync.tma_partition(tma_a, cta_n, cute.make_layout(self.cluster_n),
                                              cute.group_modes(sa, 0, 2), cute.group_modes(ga, 0, 2))
@@ -246,7 +254,7 @@ class HopperGemm:
                 mainloop.producer_commit(state)
                 state.advance()
             item = item + cluster_count
-            cursor, valid, group, row_start, rows, m_tile, n_tile = self._tile(
+            cursor, valid, group, tile_start, rows_left, n_tile = self._tile(
                 cu_seqlens, num_groups, total_rows, item, cursor, n_clusters, cta_m, cta_n
             )
         mainloop.producer_tail(state)
@@ -288,7 +296,7 @@ class HopperGemm:
         item = cluster_id
         tiles_done = Int32(0)
         cursor = first_cursor(cu_seqlens, num_groups, total_rows, self.tile_mnk[0] * self.cluster_m)
-        cursor, valid, group, row_start, rows, m_tile, n_tile = self._tile(
+        cursor, valid, group, tile_start, rows_left, n_tile = self._tile(
             cu_seqlens, num_groups, total_rows, item, cursor, n_clusters, cta_m, cta_n
         )
         while valid:
@@ -312,9 +320,8 @@ class HopperGemm:
                 release_state.advance()
 
             # Epilogue.
-            rows_left = rows - m_tile * self.tile_mnk[0]
             whole_tile = rows_left >= self.tile_mnk[0]
-            gd_tma = cute.local_tile(cute.domain_offset((row_start, 0), td), self.tile_mnk[:2], (m_tile, n_tile))
+            gd_tma = cute.local_tile(cute.domain_offset((tile_start, 0), td), self.tile_mnk[:2], (0, n_tile))
             sub_gd_tma = cute.zipped_divide(gd_tma, self.epi_tile)
             bsd, bgd = cpasync.tma_partition(tma_d, 0, cute.make_layout(1), cute.group_modes(sd, 0, 2), sub_gd_tma)
             for sub in cutlass.range_constexpr(subtiles):
@@ -331,17 +338,17 @@ class HopperGemm:
                         store_pipe.producer_commit()
                         store_pipe.producer_acquire()
                 elif rows_left > 0:
-                    self._store_rows(sd[None, None, buffer], d, row_start, m_tile, n_tile, sub, rows_left, tidx)
+                    self._store_rows(sd[None, None, buffer], d, tile_start, n_tile, sub, rows_left, tidx)
                 epi_barrier.arrive_and_wait()
             tiles_done = tiles_done + 1
             item = item + cluster_count
-            cursor, valid, group, row_start, rows, m_tile, n_tile = self._tile(
+            cursor, valid, group, tile_start, rows_left, n_tile = self._tile(
                 cu_seqlens, num_groups, total_rows, item, cursor, n_clusters, cta_m, cta_n
             )
         store_pipe.producer_tail()
 
     @cute.jit
-    def _store_rows(self, sd_buffer, d, row_start, m_tile, n_tile, sub, rows_left, tidx):
+    def _store_rows(self, sd_buffer, d, tile_start, n_tile, sub, rows_left, tidx):
         """Predicated copy of one epilogue subtile to global memory: the rows of a
         group's last tile that belong to the group, and columns inside N."""
         vec = 128 // self.d_dtype.width
@@ -352,8 +359,12 @@ class HopperGemm:
             cute.make_layout((1, vec)),
         )
         col0 = n_tile * self.tile_mnk[1] + sub * EPILOGUE_N
-        gd = cute.local_tile(cute.domain_offset((row_start + m_tile * self.tile_mnk[0], col0), d), self.epi_tile,
-                             (0, 0))
+        gd = cute.local_tile(cute.domain_offset((tile_start, col0), d), self.epi_tile, (0, 0))
+        # Row strides are multiples of 8 elements and col0 of 32: every row starts
+        # 16-byte aligned, which the offset arithmetic does not tell the compiler.
+        gd = cute.make_tensor(
+            cute.make_ptr(self.d_dtype, gd.iterator.toint(), cute.AddressSpace.gmem, assumed_align=16), gd.layout
+        )
         coords = cute.make_identity_tensor(self.epi_tile)
         thr = copy.get_slice(tidx)
         src, dst, crd = thr.partition_S(sd_buffer), thr.partition_D(gd), thr.partition_D(coords)

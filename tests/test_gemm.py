@@ -113,3 +113,13 @@ def test_varlen_leaves_rows_outside_groups_alone():
     a, b = _randn(256, 64), _randn(2, 64, 128)
     out = quack.gemm(a, b, cu_seqlens_m=cu)
     _close(out.narrow(0, 0, 190), gemm_ref(a.narrow(0, 0, 190), b, cu_seqlens_m=cu))
+
+
+def test_varlen_groups_past_the_end_of_a():
+    # cu[G] > total_M (a caller bug): rows past A's end are neither read nor
+    # written out of bounds; the rows that exist are still right.
+    torch.manual_seed(0)
+    cu = torch.tensor([0, 300], device="cuda", dtype=torch.int32)
+    a, b = _randn(200, 64), _randn(1, 64, 256)
+    out = quack.gemm(a, b, cu_seqlens_m=cu)
+    _close(out, gemm_ref(a, b.select(0, 0)))

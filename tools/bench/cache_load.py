@@ -41,8 +41,8 @@ CONFIGS = {
     "gemm": [
         (compile_gemm, ("bfloat16", "bfloat16", True, False, tuple(GemmConfig()))),
         (compile_gemm, ("bfloat16", "bfloat16", False, False, tuple(GemmConfig()))),
-        (compile_gemm, ("bfloat16", "bfloat16", True, True, tuple(gemm_config(4096, True)))),
-        (compile_gemm, ("float16", "float16", True, False, tuple(gemm_config(128, False)))),
+        (compile_gemm, ("bfloat16", "bfloat16", True, True, tuple(gemm_config(4096, 512.0)))),
+        (compile_gemm, ("float16", "float16", True, False, tuple(gemm_config(128)))),
     ],
 }
 

@@ -6,7 +6,8 @@ Dense bf16 (M, K) @ (K, N) with bf16 output, and the grouped (variable-length
 M) products of issue 8: 8 groups of 2048 rows and 64 uneven groups summing to
 32768 rows, K = N = 4096.  The grouped references are ``torch._grouped_mm``
 (where this torch has it) and a loop of ``torch.matmul``.  Inputs are random
-(zeros would flatter every GEMM: the tensor cores draw less power).
+(zeros would flatter every GEMM: the tensor cores draw less power).  Each
+figure is the median of three round-robin passes over the contenders.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import torch  # noqa: E402
 
 import quack  # noqa: E402
-from harness import bench_ms, parse_args, plot  # noqa: E402
+from harness import interleaved_ms, parse_args, plot  # noqa: E402
 
 DENSE = [(8192, 8192, 8192), (4096, 4096, 4096), (8192, 4096, 4096)]
 
@@ -66,22 +67,6 @@ def cases():
     return out
 
 
-ROUNDS = 3
-
-
-def _tflops(label, name, fn, flops) -> float:
-    """Median over ROUNDS timings (each a do_bench median): the H200's clocks
-    drift with power and temperature, so one timing per side is too noisy."""
-    if fn is None:
-        return float("nan")
-    try:
-        times = sorted(bench_ms(fn) for _ in range(ROUNDS))
-    except Exception as exc:  # a reference this torch lacks is reported, not fatal
-        print(f"  {name} failed on {label}: {type(exc).__name__}: {exc}")
-        return float("nan")
-    return flops / (times[ROUNDS // 2] * 1e-3) / 1e12
-
-
 def main() -> None:
     args = parse_args("gemm.png")
     title = "GEMM bf16 (H200)"
@@ -89,9 +74,17 @@ def main() -> None:
     print(f"\n{title}\n{'case':<34}" + "".join(f"{n:>20}" for n in names) + f"{'quack/best ref':>16}")
     rows = []
     for label, flops, impls in cases():
-        row = {"case": label}
-        for name in names:
-            row[name] = _tflops(label, name, impls.get(name), flops)
+        available = {}
+        for name in names:  # a reference this torch lacks is reported, not fatal
+            try:
+                if impls.get(name):
+                    impls[name]()
+                    available[name] = impls[name]
+            except Exception as exc:
+                print(f"  {name} failed on {label}: {type(exc).__name__}: {exc}")
+        ms = interleaved_ms(available)
+        row = {"case": label, **{name: flops / (ms[name] * 1e-3) / 1e12 if name in ms else float("nan")
+                                 for name in names}}
         refs = [row[n] for n in names[1:] if row[n] == row[n]]
         ratio = f"{100 * row['quack'] / max(refs):.0f}%" if refs else "-"
         print(f"{label:<34}" + "".join(f"{row[n]:>20.1f}" for n in names) + f"{ratio:>16}")

@@ -5,7 +5,10 @@
 
 Each row is one problem, each column one (cluster M x N, raster band)
 configuration of 128 x 256 tiles, with cuBLAS (dense) or torch._grouped_mm
-(grouped) measured in the same run.
+(grouped) measured in the same run (medians of round-robin passes).  Grouped
+"uneven" is the benchmark's 64 uneven groups; "uneven128" the same groups
+rounded up to whole 128-row tiles, counted in padded rows (it isolates the
+cost of partial tiles).
 """
 
 from __future__ import annotations
@@ -24,13 +27,11 @@ from quack.gemm import GemmConfig, launch_gemm  # noqa: E402
 CONFIGS = [
     GemmConfig(cluster_m=2, cluster_n=1, band=8),
     GemmConfig(cluster_m=1, cluster_n=2, band=8),
-    GemmConfig(cluster_m=1, cluster_n=1, band=8),
-    GemmConfig(cluster_m=2, cluster_n=1, band=4),
     GemmConfig(cluster_m=2, cluster_n=1, band=16),
 ]
-PROBLEMS = [("dense", 8192, 8192, 8192, None), ("dense", 4096, 4096, 4096, None),
+PROBLEMS = [("dense", 8192, 8192, 8192, None), ("dense", 4096, 4096, 4096, None), ("dense", 8192, 4096, 4096, None),
             ("grouped", 16384, 4096, 4096, [2048] * 8), ("grouped", 32768, 4096, 4096, [512] * 64),
-            ("grouped", 32768, 4096, 4096, "uneven")]
+            ("grouped", 32768, 4096, 4096, "uneven"), ("grouped", 36864, 4096, 4096, "uneven128")]
 
 
 def _operands(m, n, k, groups):
@@ -39,7 +40,10 @@ def _operands(m, n, k, groups):
     a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     if groups is None:
         return a, torch.randn(1, k, n, device="cuda", dtype=torch.bfloat16), None, None
-    lengths = _uneven_lengths(64, m) if groups == "uneven" else groups
+    lengths = groups
+    if groups in ("uneven", "uneven128"):
+        # uneven128: the same groups rounded up to whole 128-row tiles (no partial tiles)
+        lengths = [-(-x // 128) * 128 if groups == "uneven128" else x for x in _uneven_lengths(64, 32768)]
     b = torch.randn(len(lengths), k, n, device="cuda", dtype=torch.bfloat16)
     cu = torch.nn.functional.pad(torch.tensor(lengths, device="cuda").cumsum(0), (1, 0)).to(torch.int32)
     b_cm = b.transpose(1, 2).contiguous().transpose(1, 2)
@@ -62,20 +66,19 @@ def main() -> None:
                 for cfg in CONFIGS:
                     launch_gemm(a, b, torch.empty(8, 8, device="cuda", dtype=torch.bfloat16), cu, True, cfg)
         return
-    from harness import bench_ms
+    from harness import interleaved_ms
 
     names = [f"{c.cluster_m}x{c.cluster_n} band {c.band}" for c in CONFIGS]
-    print(f"{'problem':<28}" + "".join(f"{n:>16}" for n in names) + f"{'reference':>12}")
+    print(f"{'problem':<34}" + "".join(f"{n:>16}" for n in names) + f"{'reference':>12}")
     for kind, m, n, k, groups in PROBLEMS:
         a, b, cu, ref = _operands(m, n, k, groups)
         out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
-        flops = 2 * m * n * k
-        line = f"{kind} {m}x{n}x{k}" + (f" G={len(groups)}" if isinstance(groups, list) else f" {groups or ''}")
-        line = f"{line:<28}"
-        for cfg in CONFIGS:
-            line += f"{flops / bench_ms(lambda cfg=cfg: launch_gemm(a, b, out, cu, True, cfg)) / 1e9:>16.1f}"
-        ref = ref or (lambda: a @ b[0])
-        print(line + f"{flops / bench_ms(ref) / 1e9:>12.1f}")
+        fns = {name: (lambda cfg=cfg: launch_gemm(a, b, out, cu, True, cfg)) for name, cfg in zip(names, CONFIGS)}
+        fns["reference"] = ref or (lambda: a @ b[0])
+        ms = interleaved_ms(fns)
+        label = f"{kind} {m}x{n}x{k}" + (f" G={len(groups)}" if isinstance(groups, list) else f" {groups or ''}")
+        print(f"{label:<34}" + "".join(f"{2 * m * n * k / ms[name] / 1e9:>16.1f}" for name in names)
+              + f"{2 * m * n * k / ms['reference'] / 1e9:>12.1f}")
 
 
 if __name__ == "__main__":

@@ -30,6 +30,17 @@ def bench_ms(fn: Callable[[], object]) -> float:
     return do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
+def interleaved_ms(fns: dict[str, Callable[[], object]], rounds: int = 3) -> dict[str, float]:
+    """Median time of each callable over ``rounds`` round-robin passes: clocks
+    drift with power and temperature, so alternating the contenders keeps the
+    comparison fair (whoever runs first on a cool GPU would win otherwise)."""
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            times[name].append(bench_ms(fn))
+    return {name: sorted(t)[rounds // 2] for name, t in times.items()}
+
+
 def copy_bandwidth(gib: float = 1.0) -> float:
     """TB/s of a device-to-device copy, counted as bytes read + bytes written."""
     n = int(gib * (1 << 30))
