@@ -4,7 +4,7 @@ Forward, per row of logits x with target t:
     lse = max(x) + log(sum(exp(x - max(x)))),   loss = lse - x[t]
 (0 when t is ``ignore_index``; NaN when t lies outside [0, N): that row never
 reads x[t]).  The row is read once into registers, as in the softmax forward
-(max, then sum of exponentials, through ``rowwise.row_reduce``); the thread that
+(max and sum of exponentials in one exchange, ``rowwise.row_max_and_exp``); the thread that
 owns the row's first column also reads t and x[t] from global memory, before
 the reductions so the loads overlap them, and writes loss and lse (fp32).
 
@@ -117,14 +117,8 @@ class CrossEntropyForward:
         x = tXrX.load().to(Float32)
         if const_expr(cfg.cluster_n > 1):
             cute.arch.cluster_wait()
-        row_max = x.reduce(cute.ReductionOp.MAX, Float32(-math.inf), reduction_profile=0)
-        row_max = rowwise.row_reduce(
-            row_max, "max", sRed[None, None, 0], cfg.threads_per_row, cfg.cluster_n
-        )
-        p = cute.math.exp2(x * LOG2_E - row_max * LOG2_E, fastmath=True)
-        denom = p.reduce(cute.ReductionOp.ADD, Float32(0.0), reduction_profile=0)
-        denom = rowwise.row_reduce(
-            denom, "sum", sRed[None, None, 1], cfg.threads_per_row, cfg.cluster_n
+        row_max, denom, _ = rowwise.row_max_and_exp(
+            x, sRed[None, None, 0], sRed[None, None, 1], cfg.threads_per_row, cfg.cluster_n
         )
         if owner:
             lse = row_max + cute.math.log2(denom, fastmath=True) * LN_2

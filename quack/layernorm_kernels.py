@@ -3,10 +3,11 @@
 Forward, per row:  mean = sum(x) / N,  xc = x - mean,
 rstd = rsqrt(sum(xc^2) / N + eps),  y = xc * rstd * w + b.
 Each CTA owns ``rows_per_cta`` rows (or, in a cluster, one slice of a row) and
-loads its slice into registers once.  The variance is the two-pass one (the
-centred values are in registers anyway), so it stays accurate for rows with a
-large mean; it costs a second row reduction (a second stage of the reduction
-buffer).  Padded columns are zeroed after centring.  Writes y and, for a
+loads its slice into registers once.  Each thread takes the count, sum and
+squared deviations of its values from their own mean; those triples are
+merged over the row in one exchange (Chan et al.'s pairwise update), so the
+variance stays accurate for rows with a large mean without a second row
+reduction.  Padded columns are zeroed after centring.  Writes y and, for a
 backward pass, mean and rstd (fp32).
 
 Backward, per row:  x̂ = (x - mean) * rstd,  wdy = dy * w,
@@ -14,7 +15,7 @@ c1 = mean(x̂ * wdy),  c2 = mean(wdy),  dx = (wdy - c2 - x̂ * c1) * rstd.
 The grid is persistent, as in the RMSNorm backward: each CTA (cluster) strides
 over row tiles, accumulates dw += dy * x̂ and db += dy in fp32 registers and
 writes one partial row of each per thread row at the end; the op sums them.
-c1 and c2 are two row reductions, alternating between the two buffer stages.
+c1 and c2 go through one exchange (``rowwise.row_merge``).
 
 Thread mapping, cluster sizes and the reduction are described in
 ``quack/rowwise.py``.  Tests: tests/test_layernorm.py; benchmark:
@@ -32,6 +33,25 @@ from cutlass import Float32, Int32, const_expr
 
 from quack import rowwise
 from quack.rowwise import RowConfig
+
+
+def _masked(values, valid):
+    """Zero the padded columns (``valid`` is None when there are none)."""
+    if const_expr(valid is None):
+        return values
+    return cute.where(valid, values, Float32(0.0))
+
+
+def _inverse(count):
+    """1 / count, and 0 for an empty part (whose sums are 0 too)."""
+    return cute.arch.rcp_approx(cutlass.max(count, Float32(1.0)))
+
+
+def _merge_moments(a, b):
+    """(count, sum, squared deviations from the mean) of two disjoint parts."""
+    count = a[0] + b[0]
+    delta = b[1] * _inverse(b[0]) - a[1] * _inverse(a[0])
+    return count, a[1] + b[1], a[2] + b[2] + delta * delta * (a[0] * b[0] * _inverse(count))
 
 
 class LayerNormForward:
@@ -71,8 +91,8 @@ class LayerNormForward:
         cfg = self.cfg
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
-        # Stage 0: the sum; stage 1: the sum of squared deviations.
-        rank, smem, sRed = rowwise.start_row_cta(cfg, stages=2)
+        # Stages: count, sum and squared deviations of each part of the row.
+        rank, smem, sRed = rowwise.start_row_cta(cfg, stages=3)
         m, n = mX.shape[0], mX.shape[1]
         gX, gY, gC = rowwise.row_tiles(cfg, bidx, rank, mX, mY, cute.make_identity_tensor((m, n)))
         # gX: (rows_per_cta, cols_per_cta) tile of this CTA
@@ -87,14 +107,22 @@ class LayerNormForward:
         x = tXrX.load().to(Float32)
         if const_expr(cfg.cluster_n > 1):
             cute.arch.cluster_wait()
-        total = x.reduce(cute.ReductionOp.ADD, Float32(0.0), reduction_profile=0)
-        total = rowwise.row_reduce(total, "sum", sRed[None, None, 0], cfg.threads_per_row, cfg.cluster_n)
-        mean = total / cfg.n
-        xc = x - mean
+        # Count, sum and squared deviations from this thread's own mean, merged
+        # over the row in one exchange (Chan et al.'s pairwise update).
+        count = Float32(cute.size(tXrX))
+        valid = None
         if const_expr(not cfg.covers_n_exactly):
-            xc = cute.where(rowwise.column_mask(tXcX, n).load(), xc, Float32(0.0))
-        sq = (xc * xc).reduce(cute.ReductionOp.ADD, Float32(0.0), reduction_profile=0)
-        sq = rowwise.row_reduce(sq, "sum", sRed[None, None, 1], cfg.threads_per_row, cfg.cluster_n)
+            valid = rowwise.column_mask(tXcX, n).load()
+            count = valid.to(Float32).reduce(cute.ReductionOp.ADD, Float32(0.0), reduction_profile=0)
+        total = x.reduce(cute.ReductionOp.ADD, Float32(0.0), reduction_profile=0)
+        dev = _masked(x - total * _inverse(count), valid)
+        sq = (dev * dev).reduce(cute.ReductionOp.ADD, Float32(0.0), reduction_profile=0)
+        _, total, sq = rowwise.row_merge(
+            (count, total, sq), (sRed[None, None, 0], sRed[None, None, 1], sRed[None, None, 2]), _merge_moments,
+            (Float32(0.0), Float32(0.0), Float32(0.0)), cfg.threads_per_row, cfg.cluster_n,
+        )
+        mean = total / cfg.n
+        xc = _masked(x - mean, valid)
         rstd = cute.math.rsqrt(sq / cfg.n + eps, fastmath=True)
         if tXcX[0][1] == 0 and row < m:
             if const_expr(mMean is not None):
@@ -167,9 +195,9 @@ class LayerNormBackward:
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         num_ctas, _, _ = cute.arch.grid_dim()
-        # Stage 0: c1, stage 1: c2 of every tile; consecutive reductions
-        # alternate stages, see rowwise.row_reduce.
-        rank, smem, sRed = rowwise.start_row_cta(cfg, stages=2)
+        # c1 and c2 of a tile go through one exchange, in stages (0, 1) or
+        # (2, 3): consecutive tiles alternate, see rowwise.row_merge.
+        rank, smem, sRed = rowwise.start_row_cta(cfg, stages=4)
         m, n = mX.shape[0], mX.shape[1]
         thr = copy.get_slice(tidx)
         check_cols = not cfg.covers_n_exactly
@@ -234,8 +262,11 @@ class LayerNormBackward:
                 rowwise.load_row(atom_x, tXgXn, tXrXn, tXpXn)
                 rowwise.load_row(atom_dy, tXgDyn, tXrDyn, tXpXn)
 
-            c1 = rowwise.row_reduce(c1, "sum", sRed[None, None, 0], cfg.threads_per_row, cfg.cluster_n)
-            c2 = rowwise.row_reduce(c2, "sum", sRed[None, None, 1], cfg.threads_per_row, cfg.cluster_n)
+            stage = 2 * (((tile - bidx) // num_ctas) % 2)
+            c1, c2 = rowwise.row_merge(
+                (c1, c2), (sRed[None, None, stage], sRed[None, None, stage + 1]), rowwise.merge_sums,
+                (Float32(0.0), Float32(0.0)), cfg.threads_per_row, cfg.cluster_n,
+            )
             dx = (wdy - c2 / cfg.n - x_hat * (c1 / cfg.n)) * rstd
             (gDx,) = rowwise.row_tiles(cfg, tile, rank, mDx)
             tXgDx = thr.partition_D(gDx)

@@ -32,6 +32,9 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Boolean, Float32, Int32, const_expr
 
+LOG2_E = math.log2(math.e)
+FLT_MAX = 3.4028234663852886e38
+
 # Registers are the row's home; past this many values per thread the kernels
 # spill, so longer rows are split over a cluster instead.  Kernels that keep
 # more per-value state (a backward pass: x, dy and the weight-gradient
@@ -268,28 +271,8 @@ def row_reduce(
         )
     if const_expr(threads_per_row <= 32 and cluster_n == 1):
         return val
+    row_in_cta, slots = _exchange((val,), (buffer,), threads_per_row, cluster_n)
     lane = cute.arch.lane_idx()
-    warp = cute.arch.warp_idx()
-    warps_per_row = const_expr(max(1, threads_per_row // 32))
-    row_in_cta = warp // warps_per_row
-    warp_in_row = warp % warps_per_row
-    if const_expr(cluster_n == 1):
-        if lane == 0:
-            buffer[row_in_cta, (warp_in_row, 0)] = val
-        cute.arch.barrier()
-    else:
-        rank = cute.arch.block_idx_in_cluster()
-        if lane < cluster_n:
-            offset = cute.crd2idx((row_in_cta, (warp_in_row, rank)), buffer.layout)
-            slot = buffer.iterator + offset
-            remote = cute.arch.map_dsmem_ptr(slot, lane)
-            cute.arch.inline_ptx(
-                "st.shared::cluster.f32 [{$r0}], {$r1};",
-                read_only_args=[Int32(remote.toint()), val],
-            )
-        cute.arch.cluster_arrive(aligned=True)
-        cute.arch.cluster_wait()
-    slots = const_expr(warps_per_row * cluster_n)
     if const_expr(op == "max"):
         total = Float32(-math.inf)
         for i in cutlass.range_constexpr(0, slots, 32):
@@ -304,6 +287,116 @@ def row_reduce(
             if lane + i < slots:
                 total += buffer[row_in_cta, lane + i]
         return cute.arch.warp_reduction(total, lambda a, b: a + b, threads_in_group=32)
+
+
+@cute.jit
+def _exchange(values, buffers, threads_per_row: cutlass.Constexpr[int], cluster_n: cutlass.Constexpr[int]):
+    """Publish each warp's partials (one per buffer) to the row's slots, in
+    this CTA or, through DSMEM, in every peer CTA, and wait until all have
+    arrived: one barrier (one cluster barrier) for all of them.  Returns
+    (row of this warp in the CTA, slots per row)."""
+    lane = cute.arch.lane_idx()
+    warp = cute.arch.warp_idx()
+    warps_per_row = const_expr(max(1, threads_per_row // 32))
+    row_in_cta = warp // warps_per_row
+    warp_in_row = warp % warps_per_row
+    if const_expr(cluster_n == 1):
+        if lane == 0:
+            for i in cutlass.range_constexpr(len(values)):
+                buffers[i][row_in_cta, (warp_in_row, 0)] = values[i]
+        cute.arch.barrier()
+    else:
+        rank = cute.arch.block_idx_in_cluster()
+        if lane < cluster_n:
+            for i in cutlass.range_constexpr(len(values)):
+                offset = cute.crd2idx((row_in_cta, (warp_in_row, rank)), buffers[i].layout)
+                remote = cute.arch.map_dsmem_ptr(buffers[i].iterator + offset, lane)
+                cute.arch.inline_ptx(
+                    "st.shared::cluster.f32 [{$r0}], {$r1};",
+                    read_only_args=[Int32(remote.toint()), values[i]],
+                )
+        cute.arch.cluster_arrive(aligned=True)
+        cute.arch.cluster_wait()
+    return row_in_cta, const_expr(warps_per_row * cluster_n)
+
+
+@cute.jit
+def row_merge(
+    values: tuple,
+    buffers: tuple,
+    merge: cutlass.Constexpr,
+    identity: tuple,
+    threads_per_row: cutlass.Constexpr[int],
+    cluster_n: cutlass.Constexpr[int],
+) -> tuple:
+    """Combine per-thread states (tuples of fp32, one buffer stage per
+    element) over the threads and cluster peers of a row with one exchange:
+    butterfly shuffles in the warp, then every warp's state through shared
+    memory (DSMEM in a cluster) behind one barrier (one cluster barrier).
+
+    ``merge(a, b)`` combines two states of disjoint parts of the row (it must
+    be associative and commutative); ``identity`` is the state of an empty
+    part.  Several statistics of a row thus cost one synchronisation where
+    one ``row_reduce`` each would cost one per statistic.  Buffer stages
+    follow ``row_reduce``'s rule: a loop alternates between two sets."""
+    width = const_expr(min(threads_per_row, 32))
+    for i in cutlass.range_constexpr(int(math.log2(width))):
+        values = merge(values, _shuffle_xor(values, width >> (i + 1)))
+    if const_expr(threads_per_row > 32 or cluster_n > 1):
+        row_in_cta, slots = _exchange(values, buffers, threads_per_row, cluster_n)
+        lane = cute.arch.lane_idx()
+        values = identity
+        for i in cutlass.range_constexpr(0, slots, 32):
+            if lane + i < slots:
+                values = merge(values, tuple(b[row_in_cta, lane + i] for b in buffers))
+        for i in cutlass.range_constexpr(5):
+            values = merge(values, _shuffle_xor(values, 16 >> i))
+    return values
+
+
+def _shuffle_xor(values: tuple, offset: int) -> tuple:
+    return tuple(cute.arch.shuffle_sync_bfly(v, offset) for v in values)
+
+
+def _merge_max_sum(a, b):
+    """(max, sum of exp(x - max)) of two disjoint parts of a row, as one pair."""
+    m = cute.arch.fmax(a[0], b[0])
+    return m, a[1] * cute.math.exp2((a[0] - m) * LOG2_E, fastmath=True) + b[1] * cute.math.exp2(
+        (b[0] - m) * LOG2_E, fastmath=True
+    )
+
+
+def merge_sums(a, b):
+    """Element-wise sum of two states (several row sums in one exchange)."""
+    return tuple(x + y for x, y in zip(a, b))
+
+
+@cute.jit
+def row_max_and_exp(
+    x: cute.TensorSSA,
+    max_buffer: cute.Tensor,
+    sum_buffer: cute.Tensor,
+    threads_per_row: cutlass.Constexpr[int],
+    cluster_n: cutlass.Constexpr[int],
+):
+    """Online softmax statistics of a row in one exchange: returns (M, S, p)
+    with M the row max, S the row sum of exp(x - M) and p = exp(x - M) for
+    this thread's values (fp32).
+
+    Each thread exponentiates against its own max and the (max, sum) pairs
+    are merged (``row_merge``), so the row needs one barrier where a max then
+    a sum would need two.  Maxima start at -FLT_MAX, not -inf, so parts made
+    only of -inf (padding, masked logits) merge without NaNs; a row of only
+    -inf still gives S = 0."""
+    m = x.reduce(cute.ReductionOp.MAX, Float32(-FLT_MAX), reduction_profile=0)
+    # (x - m) first: -FLT_MAX * log2(e) would overflow to -inf, and -inf - -inf is NaN.
+    p = cute.math.exp2((x - m) * LOG2_E, fastmath=True)
+    s = p.reduce(cute.ReductionOp.ADD, Float32(0.0), reduction_profile=0)
+    row_max, row_sum = row_merge(
+        (m, s), (max_buffer, sum_buffer), _merge_max_sum, (Float32(-FLT_MAX), Float32(0.0)),
+        threads_per_row, cluster_n,
+    )
+    return row_max, row_sum, p * cute.math.exp2((m - row_max) * LOG2_E, fastmath=True)
 
 
 def row_tiles(cfg: RowConfig, tile_m, tile_n, *tensors):

@@ -3,11 +3,9 @@
 Forward, per row:  y = exp(x - max(x)) / sum(exp(x - max(x))).
 Each CTA owns ``rows_per_cta`` rows (or, in a cluster, one slice of a row) and
 loads its slice into registers once; masked columns read as -inf so they add
-nothing.  The row max and then the sum of exponentials go through
-``rowwise.row_reduce`` (two stages of the reduction buffer, since a cluster
-peer may still read the first while the second is written); the exponentials
-are computed once, as ``exp2(x * log2(e) - max * log2(e))``, and kept in
-registers until the sum arrives.
+nothing.  The row max and the sum of exponentials come from one exchange
+(``rowwise.row_max_and_exp``: each thread exponentiates against its own max,
+the (max, sum) pairs are merged, the kept exponentials rescaled once).
 
 Backward, per row:  dx = y * (dy - sum(y * dy)); one row reduction.
 
@@ -66,14 +64,8 @@ class SoftmaxForward:
         x = tXrX.load().to(Float32)
         if const_expr(cfg.cluster_n > 1):
             cute.arch.cluster_wait()
-        row_max = x.reduce(cute.ReductionOp.MAX, Float32(-math.inf), reduction_profile=0)
-        row_max = rowwise.row_reduce(
-            row_max, "max", sRed[None, None, 0], cfg.threads_per_row, cfg.cluster_n
-        )
-        p = cute.math.exp2(x * LOG2_E - row_max * LOG2_E, fastmath=True)
-        denom = p.reduce(cute.ReductionOp.ADD, Float32(0.0), reduction_profile=0)
-        denom = rowwise.row_reduce(
-            denom, "sum", sRed[None, None, 1], cfg.threads_per_row, cfg.cluster_n
+        _, denom, p = rowwise.row_max_and_exp(
+            x, sRed[None, None, 0], sRed[None, None, 1], cfg.threads_per_row, cfg.cluster_n
         )
         y = p * cute.arch.rcp_approx(denom)
         tXrY = cute.make_rmem_tensor_like(tXgY)

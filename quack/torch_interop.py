@@ -51,11 +51,15 @@ def vector_width(n: int, x: torch.Tensor, *others: torch.Tensor | None) -> int:
 def address(t: torch.Tensor) -> int:
     """Byte address used for alignment decisions.
 
-    Fake tensors (compile-only) have no storage and Dynamo cannot trace
-    ``data_ptr``; an allocation base is aligned like a real CUDA allocation in
-    both cases, so only the storage offset counts.  Kernels that size buffers
-    from this check them again in the op (``check_partial_rows``)."""
-    if isinstance(t, _FakeTensor) or torch.compiler.is_compiling():
+    Fake tensors (compile-only) have no storage; their allocation base is
+    aligned like a real CUDA allocation, so only the storage offset counts.
+    While torch.compile traces, neither ``data_ptr`` nor ``storage_offset``
+    can be traced: tensors count as aligned there.  Kernels that size buffers
+    from this check them again in the op, on real tensors
+    (``check_partial_rows``)."""
+    if torch.compiler.is_compiling():
+        return 0  # assumed aligned; see above
+    if isinstance(t, _FakeTensor):
         return t.storage_offset() * t.element_size()
     return t.data_ptr()
 

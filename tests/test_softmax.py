@@ -66,6 +66,19 @@ def test_large_and_masked_values():
     torch.testing.assert_close(quack.softmax(x), softmax_ref(x), atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("n", [3000, 65536])
+def test_masked_halves_and_rows(n):
+    # Whole thread and whole cluster-peer slices of -inf (the first half of each
+    # row) merge without NaNs; a row of only -inf gives NaN, as in torch.
+    cols = torch.arange(n, device="cuda")
+    x = torch.where(cols < n // 2, float("-inf"), _x(4, n, torch.float32))
+    x = torch.where(torch.arange(4, device="cuda").unsqueeze(1) == 3, float("-inf"), x)
+    ref = softmax_ref(x)
+    torch.testing.assert_close(quack.softmax(x), ref, atol=1e-5, rtol=1e-4, equal_nan=True)
+    torch.testing.assert_close(ref.narrow(0, 3, 1), torch.full_like(ref.narrow(0, 3, 1), float("nan")),
+                               equal_nan=True)
+
+
 def test_leading_dims_and_empty_batch():
     x = _x(6, 512, torch.bfloat16).view(2, 3, 512)
     torch.testing.assert_close(quack.softmax(x), softmax_ref(x), atol=4e-3, rtol=1.6e-2)
