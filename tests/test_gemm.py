@@ -123,3 +123,11 @@ def test_varlen_groups_past_the_end_of_a():
     a, b = _randn(200, 64), _randn(1, 64, 256)
     out = quack.gemm(a, b, cu_seqlens_m=cu)
     _close(out, gemm_ref(a, b.select(0, 0)))
+
+
+@pytest.mark.no_compile_only  # torch.compile refuses the fake-tensor mode; test_dense warms the object
+def test_torch_compile_fullgraph():
+    torch.manual_seed(0)
+    a, b = _randn(300, 256), _randn(256, 512)
+    fn = torch.compile(lambda x, y: quack.gemm(x, y) * 2, fullgraph=True)
+    _close(fn(a, b), gemm_ref(a, b) * 2)
