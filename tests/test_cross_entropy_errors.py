@@ -4,30 +4,23 @@ import pytest
 import torch
 
 import quack
-from quack.compile_only import compile_only_mode
+from cache_fixtures.fake_cuda import cuda_empty as _cuda
+from cache_fixtures.fake_cuda import fake  # noqa: F401  (the fixture below)
 
-
-def _cuda(*shape, dtype=torch.bfloat16):
-    return torch.empty(*shape, device="cuda", dtype=dtype)
+# Fake CUDA tensors throughout: validation runs before anything touches a device.
+pytestmark = pytest.mark.usefixtures("fake")
 
 
 def _target(*shape, dtype=torch.int64):
     return torch.zeros(*shape, device="cuda", dtype=dtype)
 
 
-@pytest.fixture
-def fake():
-    """Fake CUDA tensors: validation runs before anything touches a device."""
-    with compile_only_mode():
-        yield
-
-
-def test_wrong_logits_dtype(fake):
+def test_wrong_logits_dtype():
     with pytest.raises(TypeError, match="logits has dtype int32"):
         quack.cross_entropy(_cuda(4, 8, dtype=torch.int32), _target(4))
 
 
-def test_wrong_target_dtype(fake):
+def test_wrong_target_dtype():
     with pytest.raises(TypeError, match="target has dtype float32"):
         quack.cross_entropy(_cuda(4, 8), _cuda(4, dtype=torch.float32))
     with pytest.raises(TypeError, match="target has dtype int16"):
@@ -39,24 +32,24 @@ def test_cpu_tensors_rejected():
         quack.cross_entropy(torch.randn(4, 8), torch.zeros(4, dtype=torch.int64))
 
 
-def test_cpu_target_rejected(fake):
+def test_cpu_target_rejected():
     with pytest.raises(ValueError, match="target must be on a CUDA device"):
         quack.cross_entropy(_cuda(4, 8), torch.zeros(4, dtype=torch.int64, device="cpu"))
 
 
-def test_non_contiguous_logits(fake):
+def test_non_contiguous_logits():
     with pytest.raises(ValueError, match="contiguous"):
         quack.cross_entropy(_cuda(8, 4).t(), _target(4))
 
 
-def test_target_shape(fake):
+def test_target_shape():
     with pytest.raises(ValueError, match=r"target must have shape \(4,\)"):
         quack.cross_entropy(_cuda(4, 8), _target(5))
     with pytest.raises(ValueError, match=r"target must have shape \(2, 3\)"):
         quack.cross_entropy(_cuda(2, 3, 8), _target(6))
 
 
-def test_bad_reduction_and_ignore_index(fake):
+def test_bad_reduction_and_ignore_index():
     with pytest.raises(ValueError, match="reduction must be one of"):
         quack.cross_entropy(_cuda(4, 8), _target(4), reduction="avg")
     with pytest.raises(TypeError, match="ignore_index must be an int"):
@@ -65,7 +58,7 @@ def test_bad_reduction_and_ignore_index(fake):
         quack.cross_entropy(_cuda(4, 8), _target(4), ignore_index=2**40)
 
 
-def test_too_long_and_empty_rows(fake):
+def test_too_long_and_empty_rows():
     with pytest.raises(ValueError, match="larger than the supported"):
         quack.cross_entropy(_cuda(1, 262145), _target(1))
     with pytest.raises(ValueError, match="N >= 1"):

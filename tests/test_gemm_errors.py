@@ -4,21 +4,14 @@ import pytest
 import torch
 
 import quack
-from quack.compile_only import compile_only_mode
+from cache_fixtures.fake_cuda import cuda_empty as _cuda
+from cache_fixtures.fake_cuda import fake  # noqa: F401  (the fixture below)
+
+# Fake CUDA tensors throughout: validation runs before anything touches a device.
+pytestmark = pytest.mark.usefixtures("fake")
 
 
-def _cuda(*shape, dtype=torch.bfloat16):
-    return torch.empty(*shape, device="cuda", dtype=dtype)
-
-
-@pytest.fixture
-def fake():
-    """Fake CUDA tensors: validation runs before anything touches a device."""
-    with compile_only_mode():
-        yield
-
-
-def test_dtypes(fake):
+def test_dtypes():
     with pytest.raises(TypeError, match="dtype float32"):
         quack.gemm(_cuda(8, 8, dtype=torch.float32), _cuda(8, 8, dtype=torch.float32))
     with pytest.raises(TypeError, match="dtype float16"):
@@ -34,7 +27,7 @@ def test_devices():
         quack.gemm(torch.randn(8, 8, dtype=torch.bfloat16), torch.randn(8, 8, dtype=torch.bfloat16))
 
 
-def test_shapes(fake):
+def test_shapes():
     with pytest.raises(ValueError, match="K mismatch"):
         quack.gemm(_cuda(8, 16), _cuda(8, 8))
     with pytest.raises(ValueError, match="2-D"):
@@ -45,7 +38,7 @@ def test_shapes(fake):
         quack.gemm(_cuda(8, 8), _cuda(2, 8, 8), cu_seqlens_m=_cuda(4, dtype=torch.int32))
 
 
-def test_alignment(fake):
+def test_alignment():
     with pytest.raises(ValueError, match="multiples of 8"):
         quack.gemm(_cuda(8, 12), _cuda(12, 8))
     with pytest.raises(ValueError, match="multiples of 8"):

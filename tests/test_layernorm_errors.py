@@ -4,26 +4,19 @@ import pytest
 import torch
 
 import quack
-from quack.compile_only import compile_only_mode
+from cache_fixtures.fake_cuda import cuda_empty as _cuda
+from cache_fixtures.fake_cuda import fake  # noqa: F401  (the fixture below)
+
+# Fake CUDA tensors throughout: validation runs before anything touches a device.
+pytestmark = pytest.mark.usefixtures("fake")
 
 
-def _cuda(*shape, dtype=torch.bfloat16):
-    return torch.empty(*shape, device="cuda", dtype=dtype)
-
-
-@pytest.fixture
-def fake():
-    """Fake CUDA tensors: validation runs before anything touches a device."""
-    with compile_only_mode():
-        yield
-
-
-def test_wrong_dtype(fake):
+def test_wrong_dtype():
     with pytest.raises(TypeError, match="dtype int32"):
         quack.layernorm(_cuda(4, 8, dtype=torch.int32), _cuda(8))
 
 
-def test_param_dtypes_must_be_fp32_or_input_dtype(fake):
+def test_param_dtypes_must_be_fp32_or_input_dtype():
     with pytest.raises(TypeError, match="weight has dtype float16"):
         quack.layernorm(_cuda(4, 8), _cuda(8, dtype=torch.float16))
     with pytest.raises(TypeError, match="bias has dtype float16"):
@@ -35,24 +28,24 @@ def test_cpu_tensor_rejected():
         quack.layernorm(torch.randn(4, 8), torch.ones(8))
 
 
-def test_cpu_bias_rejected(fake):
+def test_cpu_bias_rejected():
     with pytest.raises(ValueError, match="bias must be on a CUDA device"):
         quack.layernorm(_cuda(4, 8), _cuda(8), torch.zeros(8, dtype=torch.bfloat16, device="cpu"))
 
 
-def test_non_contiguous(fake):
+def test_non_contiguous():
     with pytest.raises(ValueError, match="contiguous"):
         quack.layernorm(_cuda(8, 4).t(), _cuda(8))
 
 
-def test_param_shapes(fake):
+def test_param_shapes():
     with pytest.raises(ValueError, match=r"weight must have shape \(8,\)"):
         quack.layernorm(_cuda(4, 8), _cuda(9))
     with pytest.raises(ValueError, match=r"bias must have shape \(8,\)"):
         quack.layernorm(_cuda(4, 8), _cuda(8), _cuda(2, 4))
 
 
-def test_too_long_and_empty_rows(fake):
+def test_too_long_and_empty_rows():
     with pytest.raises(ValueError, match="larger than the supported"):
         quack.layernorm(_cuda(1, 262145), None)
     with pytest.raises(ValueError, match="N >= 1"):

@@ -4,26 +4,19 @@ import pytest
 import torch
 
 import quack
-from quack.compile_only import compile_only_mode
+from cache_fixtures.fake_cuda import cuda_empty as _cuda
+from cache_fixtures.fake_cuda import fake  # noqa: F401  (the fixture below)
+
+# Fake CUDA tensors throughout: validation runs before anything touches a device.
+pytestmark = pytest.mark.usefixtures("fake")
 
 
-def _cuda(*shape, dtype=torch.bfloat16):
-    return torch.empty(*shape, device="cuda", dtype=dtype)
-
-
-@pytest.fixture
-def fake():
-    """Fake CUDA tensors: validation runs before anything touches a device."""
-    with compile_only_mode():
-        yield
-
-
-def test_wrong_dtype(fake):
+def test_wrong_dtype():
     with pytest.raises(TypeError, match="dtype int32"):
         quack.rmsnorm(_cuda(4, 8, dtype=torch.int32))
 
 
-def test_weight_dtype_must_be_fp32_or_input_dtype(fake):
+def test_weight_dtype_must_be_fp32_or_input_dtype():
     with pytest.raises(TypeError, match="weight has dtype float16"):
         quack.rmsnorm(_cuda(4, 8), _cuda(8, dtype=torch.float16))
 
@@ -33,24 +26,24 @@ def test_cpu_tensor_rejected():
         quack.rmsnorm(torch.randn(4, 8))
 
 
-def test_non_contiguous(fake):
+def test_non_contiguous():
     with pytest.raises(ValueError, match="contiguous"):
         quack.rmsnorm(_cuda(8, 4).t())
 
 
-def test_weight_shape(fake):
+def test_weight_shape():
     with pytest.raises(ValueError, match=r"weight must have shape \(8,\)"):
         quack.rmsnorm(_cuda(4, 8), _cuda(9))
 
 
-def test_residual_shape_and_dtype(fake):
+def test_residual_shape_and_dtype():
     with pytest.raises(ValueError, match="residual shape"):
         quack.rmsnorm(_cuda(4, 8), residual=_cuda(4, 9))
     with pytest.raises(TypeError, match="residual has dtype float32"):
         quack.rmsnorm(_cuda(4, 8), residual=_cuda(4, 8, dtype=torch.float32))
 
 
-def test_too_long_and_empty_rows(fake):
+def test_too_long_and_empty_rows():
     with pytest.raises(ValueError, match="larger than the supported"):
         quack.rmsnorm(_cuda(1, 262145))
     with pytest.raises(ValueError, match="N >= 1"):

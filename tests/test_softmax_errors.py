@@ -4,21 +4,14 @@ import pytest
 import torch
 
 import quack
-from quack.compile_only import compile_only_mode
+from cache_fixtures.fake_cuda import cuda_empty as _cuda
+from cache_fixtures.fake_cuda import fake  # noqa: F401  (the fixture below)
+
+# Fake CUDA tensors throughout: validation runs before anything touches a device.
+pytestmark = pytest.mark.usefixtures("fake")
 
 
-def _cuda(*shape, dtype=torch.bfloat16):
-    return torch.empty(*shape, device="cuda", dtype=dtype)
-
-
-@pytest.fixture
-def fake():
-    """Fake CUDA tensors: validation runs before anything touches a device."""
-    with compile_only_mode():
-        yield
-
-
-def test_wrong_dtype(fake):
+def test_wrong_dtype():
     with pytest.raises(TypeError, match="dtype int32"):
         quack.softmax(_cuda(4, 8, dtype=torch.int32))
     with pytest.raises(TypeError, match="dtype float64"):
@@ -30,12 +23,12 @@ def test_cpu_tensor_rejected():
         quack.softmax(torch.randn(4, 8))
 
 
-def test_non_contiguous(fake):
+def test_non_contiguous():
     with pytest.raises(ValueError, match="contiguous"):
         quack.softmax(_cuda(8, 4).t())
 
 
-def test_too_long_and_empty_rows(fake):
+def test_too_long_and_empty_rows():
     with pytest.raises(ValueError, match="larger than the supported"):
         quack.softmax(_cuda(1, 262145))
     with pytest.raises(ValueError, match="N >= 1"):
