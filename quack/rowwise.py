@@ -123,10 +123,14 @@ FORWARD_VALUES_PER_THREAD_LONG_16BIT = 128
 BACKWARD_VALUES_PER_THREAD = 32
 
 
-def forward_config(n: int, vec: int, element_bytes: int) -> RowConfig:
-    """Launch settings of a row-wise forward kernel."""
+def forward_config(n: int, vec: int, element_bytes: int, long_rows_16bit: bool = True) -> RowConfig:
+    """Launch settings of a row-wise forward kernel.  ``long_rows_16bit``: use
+    the larger budget for 16-bit rows over 64K (fewer cluster peers); right for
+    RMSNorm and LayerNorm, not for softmax and cross-entropy, whose exponentials
+    make each value cost more registers (tools/bench/rowwise_sweep.py, H200:
+    softmax at 256K 67% of copy with it, 78% without)."""
     budget = FORWARD_VALUES_PER_THREAD
-    if element_bytes == 2 and n > 65536:
+    if long_rows_16bit and element_bytes == 2 and n > 65536:
         budget = FORWARD_VALUES_PER_THREAD_LONG_16BIT
     return RowConfig.for_row(n, vec, max_values=budget)
 
