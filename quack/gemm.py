@@ -96,7 +96,11 @@ def compile_gemm(ab_dtype: str, d_dtype: str, b_n_major: bool, varlen: bool, con
 @cute_op("quack::gemm", mutates_args=("out",))
 def _gemm(a: torch.Tensor, b3: torch.Tensor, out: torch.Tensor, cu_seqlens: Optional[torch.Tensor],
           b_n_major: bool) -> None:
-    """Launch on validated operands: b3 is (L, K, N) if ``b_n_major`` else (L, N, K)."""
+    """Launch on validated operands: b3 is (L, K, N) if ``b_n_major`` else (L, N, K).
+    TMA's alignment rules are checked here, on the tensors the kernel gets
+    (while torch.compile traces, ``gemm`` cannot see addresses)."""
+    _check_tma("A", a)
+    _check_tma("B", b3)
     varlen = cu_seqlens is not None
     if is_compile_only():
         # The configuration depends on sizes that fake tensors only pretend to
@@ -109,7 +113,8 @@ def _gemm(a: torch.Tensor, b3: torch.Tensor, out: torch.Tensor, cu_seqlens: Opti
 
 
 def launch_gemm(a, b3, out, cu_seqlens, b_n_major: bool, cfg: GemmConfig) -> None:
-    """Run one configuration (the op uses ``gemm_config``'s; tools/bench/gemm_configs.py compares others)."""
+    """Run one configuration on operands already validated (the op uses
+    ``gemm_config``'s; tools/bench/gemm_configs.py compares others)."""
     kernel = compile_gemm(ti.dtype_name(a.dtype), ti.dtype_name(out.dtype), b_n_major, cu_seqlens is not None,
                           tuple(cfg))
     max_clusters = ti.sm_count(a.device.index or 0) // (cfg.cluster_m * cfg.cluster_n)
@@ -127,7 +132,7 @@ def _check_tma(name: str, t: torch.Tensor) -> None:
     if ti.address(t) % 16:
         raise ValueError(f"{name} must start at a 16-byte aligned address (TMA)")
     for dim, stride in enumerate(t.stride()[:-1]):
-        if stride % _ALIGN_ELEMENTS and t.shape[dim] > 1:
+        if stride % _ALIGN_ELEMENTS:
             raise ValueError(f"{name} stride {stride} of dim {dim} must be a multiple of {_ALIGN_ELEMENTS} (TMA)")
 
 
@@ -172,6 +177,8 @@ def gemm(A: torch.Tensor, B: torch.Tensor, out_dtype: Optional[torch.dtype] = No
     Raises TypeError for wrong dtypes and ValueError for wrong devices, shapes,
     strides or alignment, before any launch.  A is copied to row-major if it is
     not; B may be row- or column-major (per group).  Not differentiable.
+    Grouped: output rows outside [cu[0], cu[G]) are left unwritten; a
+    malformed cu_seqlens_m gives wrong rows, never an access outside A or D.
     """
     _check_operand("A", A, None)
     _check_operand("B", B, A)
@@ -182,20 +189,36 @@ def gemm(A: torch.Tensor, B: torch.Tensor, out_dtype: Optional[torch.dtype] = No
     a = A if A.stride(-1) == 1 or A.shape[-1] == 1 else A.contiguous()
     b3, b_n_major = _b_view(B if B.dim() == 3 else B.unsqueeze(0))
     m, k, n = a.shape[0], a.shape[1], B.shape[-1]
+    groups = b3.shape[0]
+    if max(m, n, k) + groups * 256 >= 2**31:
+        raise ValueError(f"M = {m}, N = {n}, K = {k} with {groups} groups: dims must stay below 2^31 (int32)")
+    if cu_seqlens_m is not None and groups == 0 and m > 0:
+        raise ValueError(f"cu_seqlens_m has no groups but A has {m} rows")
     out = torch.empty(m, n, device=A.device, dtype=out_dtype)
     if m == 0 or n == 0:
         return out
     if k == 0:
         return out.zero_()
-    _check_tma("A", a)
-    _check_tma("B", b3)
-    _gemm(a, b3, out, cu_seqlens_m, b_n_major)
+    cu = cu_seqlens_m.contiguous() if cu_seqlens_m is not None else None
+    _gemm(_unit_strides(a), _unit_strides(b3), out, cu, b_n_major)
     return out
+
+
+def _unit_strides(t: torch.Tensor) -> torch.Tensor:
+    """The same view with each size-1 dim's (meaningless) stride replaced by
+    the extent of what follows it, so every stride meets TMA's rules."""
+    if 1 not in t.shape[:-1]:
+        return t
+    strides = list(t.stride())
+    for dim in range(t.dim() - 2, -1, -1):
+        if t.shape[dim] == 1:
+            strides[dim] = t.shape[dim + 1] * strides[dim + 1]
+    return t.as_strided(t.shape, strides)
 
 
 def gemm_ref(A: torch.Tensor, B: torch.Tensor, out_dtype: Optional[torch.dtype] = None,
              cu_seqlens_m: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """fp32 reference, rounded to the output dtype (grouped: rows 0 to cu[G])."""
+    """fp32 reference, rounded to the output dtype (grouped: rows cu[0] to cu[G])."""
     out_dtype = A.dtype if out_dtype is None else out_dtype
     if cu_seqlens_m is None:
         return (A.float() @ B.float()).to(out_dtype)

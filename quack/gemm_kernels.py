@@ -5,14 +5,16 @@ which issues the TMA loads of A and B into a ring of shared-memory stages;
 warpgroups 1 and 2 consume the stages with WGMMA, each owning half of the
 tile's rows (cooperative), then run the epilogue: accumulators to 16-bit,
 ``stmatrix`` into a swizzled shared buffer, one TMA store per 128x32 subtile.
-Clusters of two CTAs along M load each B tile once and multicast it.
+Clusters of two CTAs load a shared operand tile once and multicast it: along
+M they share B, along N they share A.
 
 Variable-length M (``cu_seqlens`` given): A is the packed (total_M, K) matrix
 and group g's rows ``cu[g]:cu[g+1]`` multiply ``B[g]``.  Tiles index group
 rows through a coordinate offset on the TMA tensors, so groups need no
-alignment; rows of a tile past its group's end load the next group's rows (or
-zeros past total_M) and are never stored: a tile that ends inside its group
-is stored by TMA, the last, partial tile of a group by a predicated copy.
+alignment.  The last tile of a group is moved up to end at the group's end
+(it recomputes rows of the tile before it), so TMA stores it whole; only a
+group shorter than one tile has rows past its end, which load the next
+group's rows (or zeros past total_M) and are masked out by a predicated copy.
 
 Nothing here depends on M, N, K or the number of groups: they are dynamic, so
 one compiled object serves every problem size (see ``quack/gemm.py``).
@@ -39,7 +41,7 @@ CONSUMER_REGISTERS = 232
 TILE_K = 64
 EPILOGUE_N = 32  # columns per epilogue subtile
 EPILOGUE_BUFFERS = 4
-BARRIER_BYTES = 1024
+BARRIER_BYTES = 1024  # mbarriers, with the padding to the operands' 1024-byte alignment
 EPILOGUE_BARRIER_ID = 1
 
 
@@ -169,8 +171,8 @@ class HopperGemm:
         stage_bytes = cute.size_in_bytes(self.ab_dtype, cute.slice_(sa_layout, (None, None, 0))) + cute.size_in_bytes(
             self.ab_dtype, cute.slice_(sb_layout, (None, None, 0))
         )
-        # Every consumer warp of every CTA that receives a stage (its own and,
-        # for multicast B, its cluster peers') releases it.
+        # A stage is released by every consumer warp of each CTA that wrote
+        # into it: this CTA and its multicast peers (along M for B, along N for A).
         mainloop = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.barriers.data_ptr(),
             num_stages=self.stages,
@@ -218,12 +220,12 @@ class HopperGemm:
         tile_m = self.tile_mnk[0]
         cursor = find_group(cu_seqlens, num_groups, total_rows, item, cursor, tile_m * self.cluster_m, n_clusters)
         group, first_item, row_start, rows, m_clusters = cursor
+        # max(.., 1): an exhausted cursor (group == num_groups) has no M clusters.
         m_cluster, n_cluster = tile_in_group(item - first_item, cutlass.max(m_clusters, 1), n_clusters, self.band)
         tile_row = (m_cluster * self.cluster_m + cta_m) * tile_m
         if rows >= tile_m:
             tile_row = cutlass.min(tile_row, rows - tile_m)
-        # Never past D's end, whatever cu_seqlens says.
-        rows_left = cutlass.min(rows, total_rows - row_start) - tile_row
+        rows_left = rows - tile_row
         return cursor, group < num_groups, group, row_start + tile_row, rows_left, n_cluster * self.cluster_n + cta_n
 
     @cute.jit
@@ -288,7 +290,7 @@ class HopperGemm:
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.consumer_threads),
         )
         epi_barrier = pipeline.NamedBarrier(barrier_id=EPILOGUE_BARRIER_ID, num_threads=self.consumer_threads)
-        store_warp = warp_idx == 4
+        store_warp = warp_idx == THREADS_PER_WARPGROUP // 32  # the first consumer warp
         subtiles = self.tile_mnk[1] // EPILOGUE_N
 
         read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
@@ -315,9 +317,9 @@ class HopperGemm:
                     release_state.advance()
                 read_state.advance()
             warpgroup.wait_group(0)
-            if k_tiles > 0:
-                mainloop.consumer_release(release_state)
-                release_state.advance()
+            # The last stage (K >= 1: the op returns zeros for K = 0 itself).
+            mainloop.consumer_release(release_state)
+            release_state.advance()
 
             # Epilogue.
             whole_tile = rows_left >= self.tile_mnk[0]
@@ -335,10 +337,13 @@ class HopperGemm:
                 if whole_tile:
                     if store_warp:
                         cute.copy(tma_d, bsd[None, buffer], bgd[None, (0, sub)])
-                        store_pipe.producer_commit()
-                        store_pipe.producer_acquire()
                 elif rows_left > 0:
                     self._store_rows(sd[None, None, buffer], d, tile_start, n_tile, sub, rows_left, tidx)
+                if store_warp:
+                    # Every subtile, stored by TMA or not: the wait keeps a buffer
+                    # from being refilled while an earlier TMA store still reads it.
+                    store_pipe.producer_commit()
+                    store_pipe.producer_acquire()
                 epi_barrier.arrive_and_wait()
             tiles_done = tiles_done + 1
             item = item + cluster_count

@@ -22,12 +22,21 @@ from cutlass import Int32
 
 def group_rows(cu_seqlens, group, num_groups, total_rows):
     """(first row, row count) of ``group``: all rows for a dense GEMM
-    (``cu_seqlens`` None); (total rows, 0) past the last group, so the walk can
-    step one past the end without reading out of bounds."""
+    (``cu_seqlens`` None); (cu[G], 0) past the last group, so the walk can step
+    one past the end without reading out of bounds.
+
+    Bounds are clamped into [0, total_rows] and made non-decreasing, so a
+    malformed ``cu_seqlens`` (negative, decreasing, past A's end) can give
+    wrong rows but never an access outside A and D, nor a negative count."""
     if cutlass.const_expr(cu_seqlens is None):
         return Int32(0), total_rows
-    start = cu_seqlens[cutlass.min(group, num_groups)]
-    return start, cu_seqlens[cutlass.min(group + 1, num_groups)] - start
+    start = _clamp(cu_seqlens[cutlass.min(group, num_groups)], Int32(0), total_rows)
+    end = _clamp(cu_seqlens[cutlass.min(group + 1, num_groups)], start, total_rows)
+    return start, end - start
+
+
+def _clamp(value, low, high):
+    return cutlass.min(cutlass.max(value, low), high)
 
 
 def first_cursor(cu_seqlens, num_groups, total_rows, cluster_rows: int):

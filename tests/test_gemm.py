@@ -83,6 +83,7 @@ GROUPS = [
     [0, 0, 0],  # total_M = 0
     [513],
     [100, 37] * 32,  # 64 groups: the scan crosses several hundred items
+    [256, 7] * 16,  # whole-tile (TMA) and predicated stores alternating, with a short K loop
 ]
 
 
@@ -131,3 +132,32 @@ def test_torch_compile_fullgraph():
     a, b = _randn(300, 256), _randn(256, 512)
     fn = torch.compile(lambda x, y: quack.gemm(x, y) * 2, fullgraph=True)
     _close(fn(a, b), gemm_ref(a, b) * 2)
+
+
+def test_varlen_malformed_cu_seqlens_stays_in_bounds():
+    # Negative, decreasing and past-the-end bounds are clamped into [0, total_M]
+    # and made non-decreasing: no crash, no access outside A or D, and the rows
+    # that only one clamped group covers are right.
+    torch.manual_seed(0)
+    cu = torch.tensor([-50, 50, 30, 1000], device="cuda", dtype=torch.int32)
+    a, b = _randn(100, 64), _randn(3, 64, 128)
+    out = quack.gemm(a, b, cu_seqlens_m=cu)
+    _close(out.narrow(0, 0, 30), gemm_ref(a.narrow(0, 0, 30), b.select(0, 0)))
+    _close(out.narrow(0, 50, 50), gemm_ref(a.narrow(0, 50, 50), b.select(0, 2)))
+
+
+@pytest.mark.no_compile_only  # copies a fake strided tensor; other varlen tests warm the objects
+def test_varlen_strided_cu_seqlens():
+    torch.manual_seed(0)
+    spaced = torch.tensor([0, -1, 70, -1, 300], device="cuda", dtype=torch.int32)
+    cu = spaced.as_strided((3,), (2,))  # [0, 70, 300], not contiguous
+    a, b = _randn(300, 64), _randn(2, 64, 128)
+    _close(quack.gemm(a, b, cu_seqlens_m=cu), gemm_ref(a, b, cu_seqlens_m=cu.contiguous()))
+
+
+def test_single_row_with_odd_row_stride():
+    # A size-1 dim's stride means nothing, but TMA would reject it: it is replaced.
+    torch.manual_seed(0)
+    a = _randn(1, 200).as_strided((1, 64), (12, 1))
+    b = _randn(64, 128)
+    _close(quack.gemm(a, b), gemm_ref(a, b))

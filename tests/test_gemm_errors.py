@@ -38,6 +38,11 @@ def test_shapes():
         quack.gemm(_cuda(8, 8), _cuda(2, 8, 8), cu_seqlens_m=_cuda(4, dtype=torch.int32))
 
 
+def test_no_groups_with_rows():
+    with pytest.raises(ValueError, match="no groups but A has 8 rows"):
+        quack.gemm(_cuda(8, 8), _cuda(0, 8, 8), cu_seqlens_m=_cuda(1, dtype=torch.int32))
+
+
 def test_alignment():
     with pytest.raises(ValueError, match="multiples of 8"):
         quack.gemm(_cuda(8, 12), _cuda(12, 8))
@@ -47,3 +52,5 @@ def test_alignment():
         quack.gemm(_cuda(72).as_strided((8, 8), (8, 1), 1), _cuda(8, 8))
     with pytest.raises(ValueError, match="stride 12"):
         quack.gemm(_cuda(96).as_strided((8, 8), (12, 1)), _cuda(8, 8))
+    with pytest.raises(ValueError, match="below 2"):
+        quack.gemm(_cuda(2**31, 8), _cuda(8, 8))
