@@ -70,10 +70,8 @@ class CrossEntropyForward:
     ):
         cfg = self.cfg
         copy = rowwise.make_row_copy(mX.element_type, cfg)
-        # Staged rows (clusters) keep registers low: ask for 4 CTAs per SM.
         rowwise.launch_rows(
-            self.kernel(mX, mTarget, mLoss, mLse, ignore_index, copy), cfg, mX.shape[0], stream,
-            min_blocks_per_sm=rowwise.STAGED_CTAS_PER_SM if cfg.cluster_n > 1 else None,
+            self.kernel(mX, mTarget, mLoss, mLse, ignore_index, copy), cfg, mX.shape[0], stream
         )
 
     @cute.kernel
@@ -99,15 +97,10 @@ class CrossEntropyForward:
         tXgX, tXcX = thr.partition_S(gX), thr.partition_S(gC)
         # tXgX: ((vec), 1, vecs_per_thread) per thread
         tXpX = rowwise.copy_predicate(tXcX, m, n, not cfg.covers_n_exactly)
-        if const_expr(cfg.cluster_n > 1):
-            # A row split over a cluster: staged in shared memory, as in the
-            # softmax forward (registers hold one vector at a time).
-            tXsX = rowwise.stage_row(smem, cfg, thr, tXgX, tXpX, wait=False)
-        else:
-            tXrX = cute.make_rmem_tensor_like(tXgX)
-            rowwise.load_row_filled(
-                rowwise.vector_atom(mX.element_type, cfg), tXgX, tXrX, tXpX, -math.inf
-            )
+        tXrX = cute.make_rmem_tensor_like(tXgX)
+        rowwise.load_row_filled(
+            rowwise.vector_atom(mX.element_type, cfg), tXgX, tXrX, tXpX, -math.inf
+        )
 
         # The owner of the row's column 0 (in cluster rank 0) reads the target
         # logit now, so its load overlaps the reductions.
@@ -121,16 +114,12 @@ class CrossEntropyForward:
             if mode == 0:
                 x_target = Float32(mX[row, tgt])
 
+        x = tXrX.load().to(Float32)
         if const_expr(cfg.cluster_n > 1):
-            cute.arch.cp_async_wait_group(0)
-            valid = rowwise.column_mask(tXcX, n) if const_expr(not cfg.covers_n_exactly) else None
             cute.arch.cluster_wait()
-            row_max, denom = rowwise.staged_max_and_sum(tXsX, valid, cfg, sRed[None, None, 0], sRed[None, None, 1])
-        else:
-            row_max, denom, _ = rowwise.row_max_and_exp(
-                tXrX.load().to(Float32), sRed[None, None, 0], sRed[None, None, 1], cfg.threads_per_row,
-                cfg.cluster_n,
-            )
+        row_max, denom, _ = rowwise.row_max_and_exp(
+            x, sRed[None, None, 0], sRed[None, None, 1], cfg.threads_per_row, cfg.cluster_n
+        )
         if owner:
             lse = row_max + cute.math.log2(denom, fastmath=True) * LN_2
             loss = Float32(0.0)

@@ -34,9 +34,6 @@ from cutlass import Boolean, Float32, Int32, const_expr
 
 LOG2_E = math.log2(math.e)
 FLT_MAX = 3.4028234663852886e38
-# CTAs per SM that kernels staging their rows in shared memory (``stage_row``)
-# ask for: caps registers at 64 per thread for 256-thread CTAs.
-STAGED_CTAS_PER_SM = 4
 
 # Registers are the row's home; past this many values per thread the kernels
 # spill, so longer rows are split over a cluster instead.  Kernels that keep
@@ -246,56 +243,6 @@ def load_row_filled(atom: cute.CopyAtom, src: cute.Tensor, dst: cute.Tensor, pre
     cute.copy(atom, src, dst, pred=pred)
 
 
-def stage_row(smem, cfg: RowConfig, thr, tXgX: cute.Tensor, tXpX: cute.Tensor, wait: bool = True) -> cute.Tensor:
-    """Copy this thread's slice of the CTA's tile into shared memory with
-    ``cp.async`` (no registers held while the loads fly) and, unless ``wait``
-    is False (then the caller waits with ``cp_async_wait_group(0)``), wait
-    for it.  Each thread later reads back only the vectors it copied, so no
-    barrier is needed; masked vectors are left unwritten (``staged_vector``
-    masks them)."""
-    dtype = tXgX.element_type
-    sX = smem.allocate_tensor(dtype, cute.make_ordered_layout(cfg.tiler, order=(1, 0)), byte_alignment=16)
-    tXsX = thr.partition_D(sX)
-    atom = cute.make_copy_atom(
-        cute.nvgpu.cpasync.CopyG2SOp(), dtype, num_bits_per_copy=8 * _copy_bytes(dtype, cfg.vec)
-    )
-    cute.copy(atom, tXgX, tXsX, pred=tXpX)
-    cute.arch.cp_async_commit_group()
-    if wait:
-        cute.arch.cp_async_wait_group(0)
-    return tXsX
-
-
-def staged_vector(tXsX: cute.Tensor, valid, v: int):
-    """The v-th vector of a thread's staged slice in fp32, -inf in padded
-    columns (``valid``: ``column_mask`` of the slice, None when there are none)."""
-    x = tXsX[None, None, v].load().to(Float32)
-    if const_expr(valid is None):
-        return x
-    return cute.where(valid[None, None, v].load(), x, Float32(-math.inf))
-
-
-def exp_shifted(x, row_max):
-    """exp(x - max), the subtraction first (see ``row_max_and_exp``)."""
-    return cute.math.exp2((x - row_max) * LOG2_E, fastmath=True)
-
-
-def staged_max_and_sum(tXsX: cute.Tensor, valid, cfg: RowConfig, max_buffer: cute.Tensor, sum_buffer: cute.Tensor):
-    """Row max M and sum of exp(x - M) of a staged row (``stage_row``): one
-    pass over the slice, one vector in registers at a time (a running (max,
-    sum) per thread), then one exchange (``row_merge``)."""
-    part = (Float32(-FLT_MAX), Float32(0.0))
-    for v in range(cfg.vecs_per_thread):
-        x = staged_vector(tXsX, valid, v)
-        vec_max = x.reduce(cute.ReductionOp.MAX, Float32(-FLT_MAX), reduction_profile=0)
-        vec_sum = exp_shifted(x, vec_max).reduce(cute.ReductionOp.ADD, Float32(0.0), reduction_profile=0)
-        part = merge_max_sum(part, (vec_max, vec_sum))
-    return row_merge(
-        part, (max_buffer, sum_buffer), merge_max_sum, (Float32(-FLT_MAX), Float32(0.0)),
-        cfg.threads_per_row, cfg.cluster_n,
-    )
-
-
 @cute.jit
 def row_reduce(
     val: Float32,
@@ -415,7 +362,7 @@ def _shuffle_xor(values: tuple, offset: int) -> tuple:
     return tuple(cute.arch.shuffle_sync_bfly(v, offset) for v in values)
 
 
-def merge_max_sum(a, b):
+def _merge_max_sum(a, b):
     """(max, sum of exp(x - max)) of two disjoint parts of a row, as one pair."""
     m = cute.arch.fmax(a[0], b[0])
     return m, a[1] * cute.math.exp2((a[0] - m) * LOG2_E, fastmath=True) + b[1] * cute.math.exp2(
@@ -447,10 +394,10 @@ def row_max_and_exp(
     -inf still gives S = 0."""
     m = x.reduce(cute.ReductionOp.MAX, Float32(-FLT_MAX), reduction_profile=0)
     # (x - m) first: -FLT_MAX * log2(e) would overflow to -inf, and -inf - -inf is NaN.
-    p = exp_shifted(x, m)
+    p = cute.math.exp2((x - m) * LOG2_E, fastmath=True)
     s = p.reduce(cute.ReductionOp.ADD, Float32(0.0), reduction_profile=0)
     row_max, row_sum = row_merge(
-        (m, s), (max_buffer, sum_buffer), merge_max_sum, (Float32(-FLT_MAX), Float32(0.0)),
+        (m, s), (max_buffer, sum_buffer), _merge_max_sum, (Float32(-FLT_MAX), Float32(0.0)),
         threads_per_row, cluster_n,
     )
     return row_max, row_sum, p * cute.math.exp2((m - row_max) * LOG2_E, fastmath=True)
@@ -485,17 +432,13 @@ def start_row_cta(cfg: RowConfig, stages: int = 1):
     return rank, smem, sRed
 
 
-def launch_rows(kernel, cfg: RowConfig, m, stream, min_blocks_per_sm=None) -> None:
-    """Launch a row-wise kernel: one CTA (one cluster) per ``rows_per_cta`` rows.
-    ``min_blocks_per_sm`` caps registers so that many CTAs fit on an SM."""
+def launch_rows(kernel, cfg: RowConfig, m, stream) -> None:
+    """Launch a row-wise kernel: one CTA (one cluster) per ``rows_per_cta`` rows."""
     kernel.launch(
         grid=[cute.ceil_div(m, cfg.rows_per_cta), cfg.cluster_n, 1],
         block=[cfg.threads, 1, 1],
         cluster=[1, cfg.cluster_n, 1] if const_expr(cfg.cluster_n > 1) else None,
         stream=stream,
-        # With a CTA count to fit, also ask for the largest shared-memory carveout
-        # (stated, so the DSL need not query a device: compile-only has none).
-        **({} if min_blocks_per_sm is None else {"min_blocks_per_mp": min_blocks_per_sm, "preferred_smem_carveout": 100}),
     )
 
 

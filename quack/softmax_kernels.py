@@ -20,7 +20,6 @@ from __future__ import annotations
 import math
 
 import cuda.bindings.driver as cuda
-import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, const_expr
 
@@ -39,9 +38,7 @@ class SoftmaxForward:
     @cute.jit
     def __call__(self, mX: cute.Tensor, mY: cute.Tensor, stream: cuda.CUstream):
         copy = rowwise.make_row_copy(mX.element_type, self.cfg)
-        # Staged rows (clusters) keep registers low: ask for several CTAs per SM.
-        rowwise.launch_rows(self.kernel(mX, mY, copy), self.cfg, mX.shape[0], stream,
-                            min_blocks_per_sm=rowwise.STAGED_CTAS_PER_SM if self.cfg.cluster_n > 1 else None)
+        rowwise.launch_rows(self.kernel(mX, mY, copy), self.cfg, mX.shape[0], stream)
 
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mY: cute.Tensor, copy: cute.TiledCopy):
@@ -60,32 +57,20 @@ class SoftmaxForward:
         # tXgX: ((vec), 1, vecs_per_thread) per thread
         tXpX = rowwise.copy_predicate(tXcX, m, n, not cfg.covers_n_exactly)
 
-        tXrY = cute.make_rmem_tensor_like(tXgY)
+        tXrX = cute.make_rmem_tensor_like(tXgX)
+        rowwise.load_row_filled(
+            rowwise.vector_atom(mX.element_type, cfg), tXgX, tXrX, tXpX, -math.inf
+        )
+        x = tXrX.load().to(Float32)
         if const_expr(cfg.cluster_n > 1):
-            # A row split over a cluster: stage the slice in shared memory so
-            # registers hold one vector at a time and more CTAs fit per SM to
-            # cover the cluster exchange.
-            tXsX = rowwise.stage_row(smem, cfg, thr, tXgX, tXpX)
-            valid = rowwise.column_mask(tXcX, n) if const_expr(not cfg.covers_n_exactly) else None
             cute.arch.cluster_wait()
-            row_max, denom = rowwise.staged_max_and_sum(tXsX, valid, cfg, sRed[None, None, 0], sRed[None, None, 1])
-            scale = cute.arch.rcp_approx(denom)
-            atom_y = rowwise.vector_atom(mY.element_type, cfg)
-            for v in cutlass.range_constexpr(cfg.vecs_per_thread):
-                y = rowwise.exp_shifted(rowwise.staged_vector(tXsX, valid, v), row_max) * scale
-                tXrY[None, None, v].store(y.to(mY.element_type))
-                cute.copy(atom_y, tXrY[None, None, v], tXgY[None, None, v], pred=tXpX[None, None, v])
-        else:
-            tXrX = cute.make_rmem_tensor_like(tXgX)
-            rowwise.load_row_filled(
-                rowwise.vector_atom(mX.element_type, cfg), tXgX, tXrX, tXpX, -math.inf
-            )
-            _, denom, p = rowwise.row_max_and_exp(
-                tXrX.load().to(Float32), sRed[None, None, 0], sRed[None, None, 1], cfg.threads_per_row,
-                cfg.cluster_n,
-            )
-            tXrY.store((p * cute.arch.rcp_approx(denom)).to(mY.element_type))
-            rowwise.store_row(rowwise.vector_atom(mY.element_type, cfg), tXrY, tXgY, tXpX)
+        _, denom, p = rowwise.row_max_and_exp(
+            x, sRed[None, None, 0], sRed[None, None, 1], cfg.threads_per_row, cfg.cluster_n
+        )
+        y = p * cute.arch.rcp_approx(denom)
+        tXrY = cute.make_rmem_tensor_like(tXgY)
+        tXrY.store(y.to(mY.element_type))
+        rowwise.store_row(rowwise.vector_atom(mY.element_type, cfg), tXrY, tXgY, tXpX)
 
 
 class SoftmaxBackward:
