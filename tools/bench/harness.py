@@ -6,6 +6,7 @@ torch eager and torch.compile, bytes moved); the harness times them with
 device-to-device copy of at least 1 GiB in the same process as the reference,
 prints a table and writes a PNG plot.  Bytes are counted as ARCHITECTURE.md's
 "Measuring bandwidth" says: tensors that must be read plus written, once each.
+The GEMM scripts reuse its timing (``bench_ms``, ``interleaved_ms``) and ``plot``.
 """
 
 from __future__ import annotations
