@@ -210,14 +210,17 @@ class HopperGemm:
 
     @cute.jit
     def _tile(self, cu_seqlens, num_groups, total_rows, item, cursor, n_clusters, cta_m, cta_n):
-        """Advance the cursor to ``item``; returns (cursor, valid, group, first row of
-        the tile in A and D, rows of the tile to store, N tile).
+        """Advance the cursor (None: start at group 0) to ``item``; returns (cursor,
+        valid, group, first row of the tile in A and D, rows of the tile to store,
+        N tile).
 
         The last tile of a group of at least ``tile_m`` rows is moved up to end
         at the group's end: it recomputes rows of the tile before it (both write
         correct values there) and is stored whole by TMA, where a tile hanging
         over the next group would need a predicated store."""
         tile_m = self.tile_mnk[0]
+        if const_expr(cursor is None):
+            cursor = first_cursor(cu_seqlens, num_groups, total_rows, tile_m * self.cluster_m)
         cursor = find_group(cu_seqlens, num_groups, total_rows, item, cursor, tile_m * self.cluster_m, n_clusters)
         group, first_item, row_start, rows, m_clusters = cursor
         # max(.., 1): an exhausted cursor (group == num_groups) has no M clusters.
@@ -237,9 +240,8 @@ class HopperGemm:
         a_mask = cute.make_layout_image_mask(cluster, (cta_m, cta_n, 0), mode=1)
         b_mask = cute.make_layout_image_mask(cluster, (cta_m, cta_n, 0), mode=0)
         item = cluster_id
-        cursor = first_cursor(cu_seqlens, num_groups, total_rows, self.tile_mnk[0] * self.cluster_m)
         cursor, valid, group, tile_start, rows_left, n_tile = self._tile(
-            cu_seqlens, num_groups, total_rows, item, cursor, n_clusters, cta_m, cta_n
+            cu_seqlens, num_groups, total_rows, item, None, n_clusters, cta_m, cta_n
         )
         while valid:
             ga = cute.local_tile(cute.domain_offset((tile_start, 0), ta), (self.tile_mnk[0], TILE_K), (0, None))
@@ -297,9 +299,8 @@ class HopperGemm:
         release_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         item = cluster_id
         tiles_done = Int32(0)
-        cursor = first_cursor(cu_seqlens, num_groups, total_rows, self.tile_mnk[0] * self.cluster_m)
         cursor, valid, group, tile_start, rows_left, n_tile = self._tile(
-            cu_seqlens, num_groups, total_rows, item, cursor, n_clusters, cta_m, cta_n
+            cu_seqlens, num_groups, total_rows, item, None, n_clusters, cta_m, cta_n
         )
         while valid:
             # Mainloop: one WGMMA batch stays in flight; its stage is released one step late.
