@@ -205,14 +205,7 @@ class LayerNormBackward:
         atom_dy = rowwise.vector_atom(mDy.element_type, cfg)
         atom_dx = rowwise.vector_atom(mDx.element_type, cfg)
 
-        # The weight slice is re-read from L2 each tile rather than held in
-        # registers across the loop (registers go to x, dy and the accumulators).
-        cW = cute.local_tile(cute.make_identity_tensor((m, n)), cfg.tiler, (0, rank))
-        tWcW = thr.partition_S(cW)
-        if const_expr(mW is not None):
-            tXgW = rowwise.broadcast_vector(cfg, thr, mW, rank)
-            tWpW = rowwise.copy_predicate(tWcW, None, n, check_cols)
-            atom_w = rowwise.vector_atom(mW.element_type, cfg)
+        tWcW, weight = rowwise.weight_slice(cfg, thr, mW, m, n, rank)
 
         # The dw and db accumulators live in shared memory, each thread
         # owning the slots of its own values (no synchronisation): in
@@ -249,11 +242,7 @@ class LayerNormBackward:
             # nothing to c1, c2, dw or db.
             x_hat = (tXrX.load().to(Float32) - mean) * rstd
             dy = tXrDy.load().to(Float32)
-            wdy = dy
-            if const_expr(mW is not None):
-                tXrW = cute.make_rmem_tensor_like(tXgW)
-                rowwise.load_row(atom_w, tXgW, tXrW, tWpW)
-                wdy = dy * tXrW.load().to(Float32)
+            wdy = rowwise.times_weight(weight, dy)
             c1 = (x_hat * wdy).reduce(cute.ReductionOp.ADD, Float32(0.0), reduction_profile=0)
             c2 = wdy.reduce(cute.ReductionOp.ADD, Float32(0.0), reduction_profile=0)
 

@@ -184,15 +184,7 @@ class RMSNormBackward:
         atom_dy = rowwise.vector_atom(mDy.element_type, cfg)
         atom_dx = rowwise.vector_atom(mDx.element_type, cfg)
 
-        # The weight slice is the same for every row tile.  It is re-read from
-        # L2 each tile rather than held in registers across the loop, which
-        # would leave too few registers for x, dy and the dw accumulator.
-        cW = cute.local_tile(cute.make_identity_tensor((m, n)), cfg.tiler, (0, rank))
-        tWcW = thr.partition_S(cW)
-        if const_expr(mW is not None):
-            tXgW = rowwise.broadcast_vector(cfg, thr, mW, rank)
-            tWpW = rowwise.copy_predicate(tWcW, None, n, check_cols)
-            atom_w = rowwise.vector_atom(mW.element_type, cfg)
+        tWcW, weight = rowwise.weight_slice(cfg, thr, mW, m, n, rank)
 
         tXaDw = None  # the dw accumulator, this thread's slots
         if const_expr(mDwPartial is not None):
@@ -233,11 +225,7 @@ class RMSNormBackward:
                 rstd = mRstd[row]
             x_hat = tXrX.load().to(Float32) * rstd
             dy = tXrDy.load().to(Float32)
-            wdy = dy
-            if const_expr(mW is not None):
-                tXrW = cute.make_rmem_tensor_like(tXgW)
-                rowwise.load_row(atom_w, tXgW, tXrW, tWpW)
-                wdy = dy * tXrW.load().to(Float32)
+            wdy = rowwise.times_weight(weight, dy)
             dot = (x_hat * wdy).reduce(cute.ReductionOp.ADD, Float32(0.0), reduction_profile=0)
 
             if const_expr(self.prefetch):

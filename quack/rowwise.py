@@ -450,6 +450,32 @@ def broadcast_vector(cfg: RowConfig, thr, mV: cute.Tensor, rank):
     return thr.partition_S(gV2)
 
 
+def weight_slice(cfg: RowConfig, thr, mW, m, n, rank):
+    """A persistent backward's weight slice: the same columns for every row
+    tile, re-read from L2 each tile (``times_weight``) rather than held in
+    registers across the loop, which would leave too few for x, dy and the
+    accumulators.  Returns (coordinates of the slice, then the tensor,
+    predicate and copy atom of the weight, or None without one).  A plain
+    tuple, since an object used inside a run-time loop would be loop-carried."""
+    cW = cute.local_tile(cute.make_identity_tensor((m, n)), cfg.tiler, (0, rank))
+    coords = thr.partition_S(cW)
+    if mW is None:
+        return coords, None
+    pred = copy_predicate(coords, None, n, not cfg.covers_n_exactly)
+    return coords, (broadcast_vector(cfg, thr, mW, rank), pred, vector_atom(mW.element_type, cfg))
+
+
+def times_weight(weight, values):
+    """``values`` (fp32, laid out like this thread's slice) times the weight
+    from ``weight_slice`` (its second element); unchanged when that is None."""
+    if weight is None:
+        return values
+    gmem, pred, atom = weight
+    regs = cute.make_rmem_tensor_like(gmem)
+    load_row(atom, gmem, regs, pred)
+    return values * regs.load().to(Float32)
+
+
 def row_slices(cfg: RowConfig, thr, tile, rank, mX, mDy):
     """This thread's x and dy slices of one row tile, their coordinates and
     copy predicate (rows past M, columns past N masked): what a backward
