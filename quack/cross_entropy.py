@@ -73,7 +73,7 @@ def backward_config(n: int, vec: int) -> RowConfig:
 def compile_cross_entropy_fwd(dtype: str, target_dtype: str, n: int, vec: int):
     """Compile the forward kernel for one static specialisation (M is symbolic)."""
     dt = ti.cute_dtype(dtype)
-    cfg = forward_config(n, vec, dt.width // 8, long_rows_16bit=False)
+    cfg = forward_config(n, vec)
     m = cute.sym_int()
     return cute.compile(
         CrossEntropyForward(cfg), rowwise.fake_rows(dt, m, n, vec),

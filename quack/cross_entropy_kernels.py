@@ -3,8 +3,9 @@
 Forward, per row of logits x with target t:
     lse = max(x) + log(sum(exp(x - max(x)))),   loss = lse - x[t]
 (0 when t is ``ignore_index``; NaN when t lies outside [0, N): that row never
-reads x[t]).  The row is read once into registers, as in the softmax forward
-(max and sum of exponentials in one exchange, ``rowwise.row_max_and_exp``); the thread that
+reads x[t]).  The row is read once, into registers or (clusters) shared
+memory, as in the softmax forward (max and sum of exponentials in one
+exchange); the thread that
 owns the row's first column also reads t and x[t] from global memory, before
 the reductions so the loads overlap them, and writes loss and lse (fp32).
 
@@ -71,7 +72,8 @@ class CrossEntropyForward:
         cfg = self.cfg
         copy = rowwise.make_row_copy(mX.element_type, cfg)
         rowwise.launch_rows(
-            self.kernel(mX, mTarget, mLoss, mLse, ignore_index, copy), cfg, mX.shape[0], stream
+            self.kernel(mX, mTarget, mLoss, mLse, ignore_index, copy), cfg, mX.shape[0], stream,
+            staged=rowwise.stages_row(cfg, mX.element_type),
         )
 
     @cute.kernel
@@ -88,7 +90,7 @@ class CrossEntropyForward:
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         # Stage 0: the max; stage 1: the sum.
-        rank, smem, sRed = rowwise.start_row_cta(cfg, stages=2)
+        rank, smem, sRed, mbar = rowwise.start_row_cta(cfg, stages=2, single_exchange=True)
         m, n = mX.shape[0], mX.shape[1]
         gX = cute.local_tile(mX, cfg.tiler, (bidx, rank))
         gC = cute.local_tile(cute.make_identity_tensor((m, n)), cfg.tiler, (bidx, rank))
@@ -97,10 +99,16 @@ class CrossEntropyForward:
         tXgX, tXcX = thr.partition_S(gX), thr.partition_S(gC)
         # tXgX: ((vec), 1, vecs_per_thread) per thread
         tXpX = rowwise.copy_predicate(tXcX, m, n, not cfg.covers_n_exactly)
-        tXrX = cute.make_rmem_tensor_like(tXgX)
-        rowwise.load_row_filled(
-            rowwise.vector_atom(mX.element_type, cfg), tXgX, tXrX, tXpX, -math.inf
-        )
+        staged = const_expr(rowwise.stages_row(cfg, mX.element_type))
+        if const_expr(staged):
+            # A row split over a cluster: staged in shared memory, as in the
+            # softmax forward (registers hold one vector at a time).
+            tXsX = rowwise.stage_row(smem, cfg, thr, tXgX, tXpX)
+        else:
+            tXrX = cute.make_rmem_tensor_like(tXgX)
+            rowwise.load_row_filled(
+                rowwise.vector_atom(mX.element_type, cfg), tXgX, tXrX, tXpX, -math.inf
+            )
 
         # The owner of the row's column 0 (in cluster rank 0) reads the target
         # logit now, so its load overlaps the reductions.
@@ -114,12 +122,19 @@ class CrossEntropyForward:
             if mode == 0:
                 x_target = Float32(mX[row, tgt])
 
-        x = tXrX.load().to(Float32)
-        if const_expr(cfg.cluster_n > 1):
-            cute.arch.cluster_wait()
-        row_max, denom, _ = rowwise.row_max_and_exp(
-            x, sRed[None, None, 0], sRed[None, None, 1], cfg.threads_per_row, cfg.cluster_n
-        )
+        if const_expr(staged):
+            valid = rowwise.column_mask(tXcX, n) if const_expr(not cfg.covers_n_exactly) else None
+            rowwise.slice_ready(cfg, True)
+            row_max, denom = rowwise.staged_max_and_sum(
+                tXsX, valid, cfg, sRed[None, None, 0], sRed[None, None, 1], mbar
+            )
+        else:
+            if const_expr(cfg.cluster_n > 1):
+                cute.arch.cluster_wait()
+            row_max, denom, _ = rowwise.row_max_and_exp(
+                tXrX.load().to(Float32), sRed[None, None, 0], sRed[None, None, 1], cfg.threads_per_row,
+                cfg.cluster_n, mbar,
+            )
         if owner:
             lse = row_max + cute.math.log2(denom, fastmath=True) * LN_2
             loss = Float32(0.0)

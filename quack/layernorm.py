@@ -47,7 +47,7 @@ def compile_layernorm_fwd(
     """Compile the forward kernel for one static specialisation (M is symbolic).
     ``store_stats``: write mean and rstd per row for a backward pass."""
     dt = ti.cute_dtype(dtype)
-    cfg = forward_config(n, vec, dt.width // 8)
+    cfg = forward_config(n, vec)
     m = cute.sym_int()
     stats = (rowwise.fake_vector(Float32, m), rowwise.fake_vector(Float32, m)) if store_stats else (None, None)
     return cute.compile(

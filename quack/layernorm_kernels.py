@@ -3,7 +3,8 @@
 Forward, per row:  mean = sum(x) / N,  xc = x - mean,
 rstd = rsqrt(sum(xc^2) / N + eps),  y = xc * rstd * w + b.
 Each CTA owns ``rows_per_cta`` rows (or, in a cluster, one slice of a row) and
-loads its slice into registers once.  Each thread takes the count, sum and
+reads its slice once, into registers or (clusters) shared memory, walking it
+in ``rowwise.slice_parts``.  Each thread takes the count, sum and
 squared deviations of its values from their own mean; those triples are
 merged over the row in one exchange (Chan et al.'s pairwise update), so the
 variance stays accurate for rows with a large mean without a second row
@@ -42,6 +43,11 @@ def _masked(values, valid):
     return cute.where(valid, values, Float32(0.0))
 
 
+def _centred(tXsX, valid, v, mean):
+    """``rowwise.part`` v of a slice minus ``mean``, zero in padded columns."""
+    return _masked(rowwise.slice_vector(tXsX, None, v) - mean, None if valid is None else rowwise.part(valid, v).load())
+
+
 def _inverse(count):
     """1 / count, and 0 for an empty part (whose sums are 0 too)."""
     return cute.arch.rcp_approx(cutlass.max(count, Float32(1.0)))
@@ -74,7 +80,10 @@ class LayerNormForward:
     ):
         cfg = self.cfg
         copy = rowwise.make_row_copy(mX.element_type, cfg)
-        rowwise.launch_rows(self.kernel(mX, mW, mB, mY, mMean, mRstd, eps, copy), cfg, mX.shape[0], stream)
+        rowwise.launch_rows(
+            self.kernel(mX, mW, mB, mY, mMean, mRstd, eps, copy), cfg, mX.shape[0], stream,
+            staged=rowwise.stages_row(cfg, mX.element_type),
+        )
 
     @cute.kernel
     def kernel(
@@ -92,7 +101,7 @@ class LayerNormForward:
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         # Stages: count, sum and squared deviations of each part of the row.
-        rank, smem, sRed = rowwise.start_row_cta(cfg, stages=3)
+        rank, smem, sRed, mbar = rowwise.start_row_cta(cfg, stages=3, single_exchange=True)
         m, n = mX.shape[0], mX.shape[1]
         gX, gY, gC = rowwise.row_tiles(cfg, bidx, rank, mX, mY, cute.make_identity_tensor((m, n)))
         # gX: (rows_per_cta, cols_per_cta) tile of this CTA
@@ -102,27 +111,29 @@ class LayerNormForward:
         row = tXcX[0][0]
         tXpX = rowwise.copy_predicate(tXcX, m, n, not cfg.covers_n_exactly)
 
-        tXrX = cute.make_rmem_tensor_like(tXgX)
-        rowwise.load_row(rowwise.vector_atom(mX.element_type, cfg), tXgX, tXrX, tXpX)
-        x = tXrX.load().to(Float32)
-        if const_expr(cfg.cluster_n > 1):
-            cute.arch.cluster_wait()
+        staged = const_expr(rowwise.stages_row(cfg, mX.element_type))
+        tXsX = rowwise.load_slice(smem, cfg, thr, tXgX, tXpX, staged)
+        valid = rowwise.column_mask(tXcX, n) if const_expr(not cfg.covers_n_exactly) else None
+        parts = rowwise.slice_parts(cfg, staged)
+        rowwise.slice_ready(cfg, staged)
         # Count, sum and squared deviations from this thread's own mean, merged
         # over the row in one exchange (Chan et al.'s pairwise update).
-        count = Float32(cute.size(tXrX))
-        valid = None
-        if const_expr(not cfg.covers_n_exactly):
-            valid = rowwise.column_mask(tXcX, n).load()
-            count = valid.to(Float32).reduce(cute.ReductionOp.ADD, Float32(0.0), reduction_profile=0)
-        total = x.reduce(cute.ReductionOp.ADD, Float32(0.0), reduction_profile=0)
-        dev = _masked(x - total * _inverse(count), valid)
-        sq = (dev * dev).reduce(cute.ReductionOp.ADD, Float32(0.0), reduction_profile=0)
+        count = Float32(cute.size(tXsX))
+        if const_expr(valid is not None):
+            count = valid.load().to(Float32).reduce(cute.ReductionOp.ADD, Float32(0.0), reduction_profile=0)
+        total = Float32(0.0)
+        for v in parts:
+            total += rowwise.slice_vector(tXsX, valid, v).reduce(cute.ReductionOp.ADD, Float32(0.0), reduction_profile=0)
+        own_mean = total * _inverse(count)
+        sq = Float32(0.0)
+        for v in parts:
+            dev = _centred(tXsX, valid, v, own_mean)
+            sq += (dev * dev).reduce(cute.ReductionOp.ADD, Float32(0.0), reduction_profile=0)
         _, total, sq = rowwise.row_merge(
             (count, total, sq), (sRed[None, None, 0], sRed[None, None, 1], sRed[None, None, 2]), _merge_moments,
-            (Float32(0.0), Float32(0.0), Float32(0.0)), cfg.threads_per_row, cfg.cluster_n,
+            (Float32(0.0), Float32(0.0), Float32(0.0)), cfg.threads_per_row, cfg.cluster_n, mbar,
         )
         mean = total / cfg.n
-        xc = _masked(x - mean, valid)
         rstd = cute.math.rsqrt(sq / cfg.n + eps, fastmath=True)
         if tXcX[0][1] == 0 and row < m:
             if const_expr(mMean is not None):
@@ -130,20 +141,17 @@ class LayerNormForward:
             if const_expr(mRstd is not None):
                 mRstd[row] = rstd
 
-        y = xc * rstd
-        if const_expr(mW is not None):
-            tXgW = rowwise.broadcast_vector(cfg, thr, mW, rank)
-            tXrW = cute.make_rmem_tensor_like(tXgW)
-            rowwise.load_row(rowwise.vector_atom(mW.element_type, cfg), tXgW, tXrW, tXpX)
-            y = y * tXrW.load().to(Float32)
-        if const_expr(mB is not None):
-            tXgB = rowwise.broadcast_vector(cfg, thr, mB, rank)
-            tXrB = cute.make_rmem_tensor_like(tXgB)
-            rowwise.load_row(rowwise.vector_atom(mB.element_type, cfg), tXgB, tXrB, tXpX)
-            y = y + tXrB.load().to(Float32)
+        weight = rowwise.broadcast_param(cfg, thr, mW, rank, tXpX)
+        bias = rowwise.broadcast_param(cfg, thr, mB, rank, tXpX)
         tXrY = cute.make_rmem_tensor_like(tXgY)
-        tXrY.store(y.to(mY.element_type))
-        rowwise.store_row(rowwise.vector_atom(mY.element_type, cfg), tXrY, tXgY, tXpX)
+        st = rowwise.vector_atom(mY.element_type, cfg)
+        for group in rowwise.param_groups(cfg, staged):
+            normed = {v: _centred(tXsX, valid, v, mean) * rstd for v in group}
+            w, b = rowwise.param_vectors(weight, group), rowwise.param_vectors(bias, group)
+            for v in group:
+                y = rowwise.scale_shift(normed[v], w[v], b[v])
+                rowwise.part(tXrY, v).store(y.to(mY.element_type))
+                cute.copy(st, rowwise.part(tXrY, v), rowwise.part(tXgY, v), pred=rowwise.part(tXpX, v))
 
 
 class LayerNormBackward:
@@ -197,7 +205,7 @@ class LayerNormBackward:
         num_ctas, _, _ = cute.arch.grid_dim()
         # c1 and c2 of a tile go through one exchange, in stages (0, 1) or
         # (2, 3): consecutive tiles alternate, see rowwise.row_merge.
-        rank, smem, sRed = rowwise.start_row_cta(cfg, stages=4)
+        rank, smem, sRed, _ = rowwise.start_row_cta(cfg, stages=4)
         m, n = mX.shape[0], mX.shape[1]
         thr = copy.get_slice(tidx)
         check_cols = not cfg.covers_n_exactly

@@ -41,7 +41,7 @@ def compile_rmsnorm_fwd(
     """Compile the forward kernel for one static specialisation (M is symbolic).
     ``store_rstd``: write 1/rms per row for a backward pass (not needed for inference)."""
     dt = ti.cute_dtype(dtype)
-    cfg = forward_config(n, vec, dt.width // 8)
+    cfg = forward_config(n, vec)
     m = cute.sym_int()
     rows = lambda: rowwise.fake_rows(dt, m, n, vec)  # noqa: E731
     weight = rowwise.fake_vector(ti.cute_dtype(weight_dtype), n, vec) if weight_dtype else None

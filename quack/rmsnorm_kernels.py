@@ -2,8 +2,9 @@
 
 Forward, per row of h = x (+ residual):  y = h * rsqrt(mean(h^2) + eps) * w.
 Each CTA owns ``rows_per_cta`` rows (or, in a cluster, one slice of a row),
-loads its slice into registers once (16-byte vector loads where N and the
-pointers allow, element loads for odd N), reduces the sum of squares through
+reads its slice once (16-byte vector loads where N and the pointers allow,
+element loads for odd N), into registers or (clusters) shared memory, walking
+it in ``rowwise.slice_parts``, reduces the sum of squares through
 ``rowwise.row_reduce`` and writes y, h (when a residual is given) and rstd.
 
 Backward, per row:  x̂ = h * rstd,  wdy = dy * w,  c = mean(x̂ * wdy),
@@ -51,7 +52,8 @@ class RMSNormForward:
         cfg = self.cfg
         copy = rowwise.make_row_copy(mX.element_type, cfg)
         rowwise.launch_rows(
-            self.kernel(mX, mW, mRes, mY, mResOut, mRstd, eps, copy), cfg, mX.shape[0], stream
+            self.kernel(mX, mW, mRes, mY, mResOut, mRstd, eps, copy), cfg, mX.shape[0], stream,
+            staged=rowwise.stages_row(cfg, *_row_dtypes(mX, mRes)),
         )
 
     @cute.kernel
@@ -69,7 +71,7 @@ class RMSNormForward:
         cfg = self.cfg
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
-        rank, smem, sRed = rowwise.start_row_cta(cfg)
+        rank, smem, sRed, mbar = rowwise.start_row_cta(cfg, single_exchange=True)
 
         m, n = mX.shape[0], mX.shape[1]
         cX = cute.make_identity_tensor((m, n))
@@ -82,43 +84,54 @@ class RMSNormForward:
         row = tXcX[0][0]
         in_rows = row < m
         tXpX = rowwise.copy_predicate(tXcX, m, n, not cfg.covers_n_exactly)
-        ld = rowwise.vector_atom(mX.element_type, cfg)
-
-        tXrX = cute.make_rmem_tensor_like(tXgX)
-        rowwise.load_row(ld, tXgX, tXrX, tXpX)
-        h = tXrX.load().to(Float32)
+        staged = const_expr(rowwise.stages_row(cfg, *_row_dtypes(mX, mRes)))
+        tXsX = rowwise.load_slice(smem, cfg, thr, tXgX, tXpX, staged)
+        tXsRes = None
         if const_expr(mRes is not None):
-            tXgRes = thr.partition_S(gRes)
-            tXrRes = cute.make_rmem_tensor_like(tXgRes)
-            ld_res = rowwise.vector_atom(mRes.element_type, cfg)
-            rowwise.load_row(ld_res, tXgRes, tXrRes, tXpX)
-            h = h + tXrRes.load().to(Float32)
+            tXsRes = rowwise.load_slice(smem, cfg, thr, thr.partition_S(gRes), tXpX, staged)
             tXgResOut = thr.partition_D(gResOut)
             tXrResOut = cute.make_rmem_tensor_like(tXgResOut)
-            tXrResOut.store(h.to(mResOut.element_type))
             st_res = rowwise.vector_atom(mResOut.element_type, cfg)
-            rowwise.store_row(st_res, tXrResOut, tXgResOut, tXpX)
+        valid = rowwise.column_mask(tXcX, n) if const_expr(not cfg.covers_n_exactly) else None
+        parts = rowwise.slice_parts(cfg, staged)
+        rowwise.slice_ready(cfg, staged)
 
-        if const_expr(cfg.cluster_n > 1):
-            cute.arch.cluster_wait()
-        sum_sq = (h * h).reduce(cute.ReductionOp.ADD, Float32(0.0), reduction_profile=0)
-        sum_sq = rowwise.row_reduce(sum_sq, "sum", sRed[None, None, 0], cfg.threads_per_row, cfg.cluster_n)
+        sum_sq = Float32(0.0)
+        for v in parts:
+            h = _sum_vector(tXsX, tXsRes, valid, v)
+            if const_expr(mRes is not None):
+                rowwise.part(tXrResOut, v).store(h.to(mResOut.element_type))
+                cute.copy(st_res, rowwise.part(tXrResOut, v), rowwise.part(tXgResOut, v), pred=rowwise.part(tXpX, v))
+            sum_sq += (h * h).reduce(cute.ReductionOp.ADD, Float32(0.0), reduction_profile=0)
+        sum_sq = rowwise.row_reduce(sum_sq, "sum", sRed[None, None, 0], cfg.threads_per_row, cfg.cluster_n, mbar)
         rstd = cute.math.rsqrt(sum_sq / cfg.n + eps, fastmath=True)
         if const_expr(mRstd is not None):
             if tXcX[0][1] == 0 and in_rows:
                 mRstd[row] = rstd
 
-        y = h * rstd
-        if const_expr(mW is not None):
-            tXgW = rowwise.broadcast_vector(cfg, thr, mW, rank)
-            tXrW = cute.make_rmem_tensor_like(tXgW)
-            ld_w = rowwise.vector_atom(mW.element_type, cfg)
-            rowwise.load_row(ld_w, tXgW, tXrW, tXpX)
-            y = y * tXrW.load().to(Float32)
+        weight = rowwise.broadcast_param(cfg, thr, mW, rank, tXpX)
         tXrY = cute.make_rmem_tensor_like(tXgY)
-        tXrY.store(y.to(mY.element_type))
         st = rowwise.vector_atom(mY.element_type, cfg)
-        rowwise.store_row(st, tXrY, tXgY, tXpX)
+        for group in rowwise.param_groups(cfg, staged):
+            normed = {v: _sum_vector(tXsX, tXsRes, valid, v) * rstd for v in group}
+            w = rowwise.param_vectors(weight, group)
+            for v in group:
+                y = rowwise.scale_shift(normed[v], w[v], None)
+                rowwise.part(tXrY, v).store(y.to(mY.element_type))
+                cute.copy(st, rowwise.part(tXrY, v), rowwise.part(tXgY, v), pred=rowwise.part(tXpX, v))
+
+
+def _row_dtypes(mX, mRes):
+    """Element types of the (M, N) inputs of the forward."""
+    return (mX.element_type,) if mRes is None else (mX.element_type, mRes.element_type)
+
+
+def _sum_vector(tXsX, tXsRes, valid, v):
+    """``rowwise.part`` v of h = x (+ residual) in fp32, zero in padded columns."""
+    h = rowwise.slice_vector(tXsX, valid, v)
+    if const_expr(tXsRes is not None):
+        h = h + rowwise.slice_vector(tXsRes, valid, v)
+    return h
 
 
 class RMSNormBackward:
@@ -176,7 +189,7 @@ class RMSNormBackward:
         bidx, _, _ = cute.arch.block_idx()
         num_ctas, _, _ = cute.arch.grid_dim()
         # Two stages: consecutive row tiles alternate, see rowwise.row_reduce.
-        rank, smem, sRed = rowwise.start_row_cta(cfg, stages=2)
+        rank, smem, sRed, _ = rowwise.start_row_cta(cfg, stages=2)
         m, n = mX.shape[0], mX.shape[1]
         thr = copy.get_slice(tidx)
         check_cols = not cfg.covers_n_exactly

@@ -8,14 +8,19 @@ Every row-wise kernel maps a (M, N) row-major tensor the same way:
 * inside a CTA, ``threads_per_row`` consecutive threads share a row and each
   moves ``vec`` contiguous elements per copy (16 bytes when N allows), so a
   warp reads contiguous 512-byte runs;
-* the whole slice of a row lives in registers (at most ``MAX_VALUES_PER_THREAD``
-  values per thread, which is what decides the cluster size), so the data is
-  read from global memory exactly once.
+* a thread holds at most ``MAX_VALUES_PER_THREAD`` values of a row (which
+  decides the cluster size), so the data is read from global memory exactly
+  once: in registers when the row fits one CTA, and, when a cluster splits
+  it, staged in shared memory with ``cp.async`` (``stages_row``) and read
+  back a vector at a time, so a CTA needs few registers and four fit per SM
+  to cover each other's exchanges.
 
 Row reductions go lane -> warp (butterfly shuffles) -> CTA (one shared-memory
 slot per warp) -> cluster (each warp writes its partial into every peer CTA's
-shared memory through DSMEM, then one cluster barrier).  Reductions always run
-in fp32.
+shared memory through DSMEM).  A kernel that exchanges once per CTA sends
+those as ``st.async`` stores counted on each receiver's mbarrier, and a CTA
+waits only for its own slots; a persistent kernel, which reuses its slots,
+waits on a cluster barrier.  Reductions always run in fp32.
 
 Host side: ``RowConfig`` picks the launch settings from N and the element
 width; ``fake_rows`` builds the compile-time stand-ins of (M, N) tensors with a
@@ -34,6 +39,9 @@ from cutlass import Boolean, Float32, Int32, const_expr
 
 LOG2_E = math.log2(math.e)
 FLT_MAX = 3.4028234663852886e38
+# CTAs per SM that kernels staging a long row in shared memory (``stage_row``)
+# ask for: at most 64 registers per thread in 256-thread CTAs.
+STAGED_CTAS_PER_SM = 4
 
 # Registers are the row's home; past this many values per thread the kernels
 # spill, so longer rows are split over a cluster instead.  Kernels that keep
@@ -114,25 +122,18 @@ class RowConfig:
 
 # Register budgets of the row-wise kernels (values of a row per thread; they
 # decide threads per row and cluster size through RowConfig.for_row).  A
-# forward holds x (and what it computes from it); past 64K columns a 16-bit
-# row holds 128 values to halve the cluster (H200, RMSNorm at N=256K: 60% of
-# copy with 16-CTA clusters, 69% with 8).  A backward holds x or y, dy and an
-# accumulator per value: 64 values spill there.
+# forward holds at most 64 values of x in registers; a longer row is split
+# over a cluster and staged in shared memory (``stages_row``), where the
+# budget bounds each CTA's share (32 KB of a 16-bit row, so 4 CTAs fit per
+# SM).  A backward holds x or y, dy and an accumulator per value: 64 values
+# spill there.
 FORWARD_VALUES_PER_THREAD = 64
-FORWARD_VALUES_PER_THREAD_LONG_16BIT = 128
 BACKWARD_VALUES_PER_THREAD = 32
 
 
-def forward_config(n: int, vec: int, element_bytes: int, long_rows_16bit: bool = True) -> RowConfig:
-    """Launch settings of a row-wise forward kernel.  ``long_rows_16bit``: use
-    the larger budget for 16-bit rows over 64K (fewer cluster peers); right for
-    RMSNorm and LayerNorm, not for softmax and cross-entropy, whose exponentials
-    make each value cost more registers (tools/bench/rowwise_sweep.py, H200:
-    softmax at 256K 67% of copy with it, 78% without)."""
-    budget = FORWARD_VALUES_PER_THREAD
-    if long_rows_16bit and element_bytes == 2 and n > 65536:
-        budget = FORWARD_VALUES_PER_THREAD_LONG_16BIT
-    return RowConfig.for_row(n, vec, max_values=budget)
+def forward_config(n: int, vec: int) -> RowConfig:
+    """Launch settings of a row-wise forward kernel."""
+    return RowConfig.for_row(n, vec, max_values=FORWARD_VALUES_PER_THREAD)
 
 
 def backward_config(n: int, vec: int) -> RowConfig:
@@ -243,6 +244,97 @@ def load_row_filled(atom: cute.CopyAtom, src: cute.Tensor, dst: cute.Tensor, pre
     cute.copy(atom, src, dst, pred=pred)
 
 
+def stages_row(cfg: RowConfig, *dtypes) -> bool:
+    """Does a forward stage its rows (of these dtypes) in shared memory
+    (``stage_row``)?  Rows split over a cluster do, when every vector is a
+    legal ``cp.async`` (4 to 16 bytes: not the element copies of odd-length
+    16-bit rows)."""
+    return cfg.cluster_n > 1 and all(cfg.vec * dtype.width >= 32 for dtype in dtypes)
+
+
+def stage_row(smem, cfg: RowConfig, thr, tXgX: cute.Tensor, tXpX: cute.Tensor) -> cute.Tensor:
+    """Start copying this thread's slice of the CTA's tile into shared memory
+    with ``cp.async``: no registers are held while the loads fly, so a long
+    row split over a cluster costs few registers and more CTAs fit on an SM
+    to cover its exchange.  The caller waits with ``cp_async_wait_group(0)``;
+    each thread reads back only the vectors it copied, so no barrier is
+    needed.  Masked vectors are left unwritten (``slice_vector`` masks them)."""
+    dtype = tXgX.element_type
+    sX = smem.allocate_tensor(dtype, cute.make_ordered_layout(cfg.tiler, order=(1, 0)), byte_alignment=16)
+    tXsX = thr.partition_D(sX)
+    atom = cute.make_copy_atom(
+        cute.nvgpu.cpasync.CopyG2SOp(), dtype, num_bits_per_copy=8 * _copy_bytes(dtype, cfg.vec)
+    )
+    cute.copy(atom, tXgX, tXsX, pred=tXpX)
+    cute.arch.cp_async_commit_group()
+    return tXsX
+
+
+def load_slice(smem, cfg: RowConfig, thr, tXgX: cute.Tensor, tXpX: cute.Tensor, staged: bool) -> cute.Tensor:
+    """This thread's slice of a row tile, where the kernel reads it from: in
+    shared memory (``stage_row``) when ``staged`` (``stages_row``), else in
+    registers.  Padded vectors hold anything: read them with ``slice_vector``."""
+    if const_expr(staged):
+        return stage_row(smem, cfg, thr, tXgX, tXpX)
+    regs = cute.make_rmem_tensor_like(tXgX)
+    # Filled first: without it the compiler moves each vector's conversion
+    # under its load's predicate, and the loads no longer overlap.
+    load_row(vector_atom(tXgX.element_type, cfg), tXgX, regs, tXpX)
+    return regs
+
+
+def slice_ready(cfg: RowConfig, staged: bool) -> None:
+    """Wait for this thread's ``load_slice`` copies (staged ones are
+    asynchronous) and for the cluster's start-up barrier: after this, the
+    kernel may read its slice and exchange with its peers."""
+    if const_expr(staged):
+        cute.arch.cp_async_wait_group(0)
+    if const_expr(cfg.cluster_n > 1):
+        cute.arch.cluster_wait()
+
+
+def slice_parts(cfg: RowConfig, staged: bool) -> list:
+    """How a forward walks its slice (``part``): a staged slice one vector at
+    a time, so registers hold one; a register-held slice whole (None)."""
+    return list(range(cfg.vecs_per_thread)) if staged else [None]
+
+
+def part(t: cute.Tensor, v):
+    """The v-th vector of a thread's slice (or partition), or all of it for None."""
+    return t if v is None else t[None, None, v]
+
+
+def slice_vector(tXsX: cute.Tensor, valid, v, fill=0.0):
+    """``part`` v of a thread's slice in fp32, ``fill`` in padded columns
+    (``valid``: ``column_mask`` of the slice, None when there are none)."""
+    x = part(tXsX, v).load().to(Float32)
+    if const_expr(valid is None):
+        return x
+    return cute.where(part(valid, v).load(), x, Float32(fill))
+
+
+def exp_shifted(x, row_max):
+    """exp(x - max), the subtraction first: -FLT_MAX * log2(e) would overflow
+    to -inf, and -inf - -inf is NaN."""
+    return cute.math.exp2((x - row_max) * LOG2_E, fastmath=True)
+
+
+def staged_max_and_sum(tXsX: cute.Tensor, valid, cfg: RowConfig, max_buffer, sum_buffer, mbar=None):
+    """Row max M and sum of exp(x - M) of a staged row (``stage_row``): one
+    pass over the slice with a running (max, sum) per thread, one vector in
+    registers at a time, then one exchange (``row_merge``)."""
+    part = (Float32(-FLT_MAX), Float32(0.0))
+    for v in range(cfg.vecs_per_thread):
+        x = slice_vector(tXsX, valid, v, -math.inf)
+        vec_max = x.reduce(cute.ReductionOp.MAX, Float32(-FLT_MAX), reduction_profile=0)
+        vec_sum = exp_shifted(x, vec_max).reduce(cute.ReductionOp.ADD, Float32(0.0), reduction_profile=0)
+        part = merge_max_sum(part, (vec_max, vec_sum))
+    return row_merge(
+        part, (max_buffer, sum_buffer), merge_max_sum, (Float32(-FLT_MAX), Float32(0.0)),
+        cfg.threads_per_row, cfg.cluster_n, mbar,
+    )
+
+
 @cute.jit
 def row_reduce(
     val: Float32,
@@ -250,6 +342,7 @@ def row_reduce(
     buffer: cute.Tensor,
     threads_per_row: cutlass.Constexpr[int],
     cluster_n: cutlass.Constexpr[int],
+    mbar=None,
 ) -> Float32:
     """Reduce ``val`` ("sum" or "max") over the threads (and cluster peers)
     that share a row: lane -> warp (shuffles) -> CTA (one shared slot per
@@ -275,7 +368,7 @@ def row_reduce(
         )
     if const_expr(threads_per_row <= 32 and cluster_n == 1):
         return val
-    row_in_cta, slots = _exchange((val,), (buffer,), threads_per_row, cluster_n)
+    row_in_cta, slots = _exchange((val,), (buffer,), threads_per_row, cluster_n, mbar)
     lane = cute.arch.lane_idx()
     if const_expr(op == "max"):
         total = Float32(-math.inf)
@@ -294,11 +387,15 @@ def row_reduce(
 
 
 @cute.jit
-def _exchange(values, buffers, threads_per_row: cutlass.Constexpr[int], cluster_n: cutlass.Constexpr[int]):
+def _exchange(values, buffers, threads_per_row: cutlass.Constexpr[int], cluster_n: cutlass.Constexpr[int], mbar=None):
     """Publish each warp's partials (one per buffer) to the row's slots, in
     this CTA or, through DSMEM, in every peer CTA, and wait until all have
-    arrived: one barrier (one cluster barrier) for all of them.  Returns
-    (row of this warp in the CTA, slots per row)."""
+    arrived: one barrier (one cluster barrier) for all of them.  With
+    ``mbar`` (``start_row_cta(..., single_exchange=True)``) the DSMEM writes
+    are ``st.async`` stores that count themselves on each receiver's
+    mbarrier, and a CTA waits only for its own slots to fill rather than for
+    every thread of the cluster.  Returns (row of this warp in the CTA,
+    slots per row)."""
     lane = cute.arch.lane_idx()
     warp = cute.arch.warp_idx()
     warps_per_row = const_expr(max(1, threads_per_row // 32))
@@ -311,16 +408,32 @@ def _exchange(values, buffers, threads_per_row: cutlass.Constexpr[int], cluster_
         cute.arch.barrier()
     else:
         rank = cute.arch.block_idx_in_cluster()
+        if const_expr(mbar is not None):
+            if warp == 0:
+                with cute.arch.elect_one():
+                    # Every slot of every buffer, written once by its sender.
+                    slot_bytes = const_expr(4 * len(values) * cute.cosize(buffers[0].layout))
+                    cute.arch.mbarrier_arrive_and_expect_tx(mbar, slot_bytes)
         if lane < cluster_n:
             for i in cutlass.range_constexpr(len(values)):
                 offset = cute.crd2idx((row_in_cta, (warp_in_row, rank)), buffers[i].layout)
                 remote = cute.arch.map_dsmem_ptr(buffers[i].iterator + offset, lane)
-                cute.arch.inline_ptx(
-                    "st.shared::cluster.f32 [{$r0}], {$r1};",
-                    read_only_args=[Int32(remote.toint()), values[i]],
-                )
-        cute.arch.cluster_arrive(aligned=True)
-        cute.arch.cluster_wait()
+                if const_expr(mbar is None):
+                    cute.arch.inline_ptx(
+                        "st.shared::cluster.f32 [{$r0}], {$r1};",
+                        read_only_args=[Int32(remote.toint()), values[i]],
+                    )
+                else:
+                    remote_mbar = cute.arch.map_dsmem_ptr(mbar, lane)
+                    cute.arch.inline_ptx(
+                        "st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [{$r0}], {$r1}, [{$r2}];",
+                        read_only_args=[Int32(remote.toint()), values[i], Int32(remote_mbar.toint())],
+                    )
+        if const_expr(mbar is None):
+            cute.arch.cluster_arrive(aligned=True)
+            cute.arch.cluster_wait()
+        else:
+            cute.arch.mbarrier_wait(mbar, 0)
     return row_in_cta, const_expr(warps_per_row * cluster_n)
 
 
@@ -332,6 +445,7 @@ def row_merge(
     identity: tuple,
     threads_per_row: cutlass.Constexpr[int],
     cluster_n: cutlass.Constexpr[int],
+    mbar=None,
 ) -> tuple:
     """Combine per-thread states (tuples of fp32, one buffer stage per
     element) over the threads and cluster peers of a row with one exchange:
@@ -347,7 +461,7 @@ def row_merge(
     for i in cutlass.range_constexpr(int(math.log2(width))):
         values = merge(values, _shuffle_xor(values, width >> (i + 1)))
     if const_expr(threads_per_row > 32 or cluster_n > 1):
-        row_in_cta, slots = _exchange(values, buffers, threads_per_row, cluster_n)
+        row_in_cta, slots = _exchange(values, buffers, threads_per_row, cluster_n, mbar)
         lane = cute.arch.lane_idx()
         values = identity
         for i in cutlass.range_constexpr(0, slots, 32):
@@ -362,7 +476,7 @@ def _shuffle_xor(values: tuple, offset: int) -> tuple:
     return tuple(cute.arch.shuffle_sync_bfly(v, offset) for v in values)
 
 
-def _merge_max_sum(a, b):
+def merge_max_sum(a, b):
     """(max, sum of exp(x - max)) of two disjoint parts of a row, as one pair."""
     m = cute.arch.fmax(a[0], b[0])
     return m, a[1] * cute.math.exp2((a[0] - m) * LOG2_E, fastmath=True) + b[1] * cute.math.exp2(
@@ -382,6 +496,7 @@ def row_max_and_exp(
     sum_buffer: cute.Tensor,
     threads_per_row: cutlass.Constexpr[int],
     cluster_n: cutlass.Constexpr[int],
+    mbar=None,
 ):
     """Online softmax statistics of a row in one exchange: returns (M, S, p)
     with M the row max, S the row sum of exp(x - M) and p = exp(x - M) for
@@ -393,12 +508,11 @@ def row_max_and_exp(
     only of -inf (padding, masked logits) merge without NaNs; a row of only
     -inf still gives S = 0."""
     m = x.reduce(cute.ReductionOp.MAX, Float32(-FLT_MAX), reduction_profile=0)
-    # (x - m) first: -FLT_MAX * log2(e) would overflow to -inf, and -inf - -inf is NaN.
-    p = cute.math.exp2((x - m) * LOG2_E, fastmath=True)
+    p = exp_shifted(x, m)
     s = p.reduce(cute.ReductionOp.ADD, Float32(0.0), reduction_profile=0)
     row_max, row_sum = row_merge(
-        (m, s), (max_buffer, sum_buffer), _merge_max_sum, (Float32(-FLT_MAX), Float32(0.0)),
-        threads_per_row, cluster_n,
+        (m, s), (max_buffer, sum_buffer), merge_max_sum, (Float32(-FLT_MAX), Float32(0.0)),
+        threads_per_row, cluster_n, mbar,
     )
     return row_max, row_sum, p * cute.math.exp2((m - row_max) * LOG2_E, fastmath=True)
 
@@ -417,28 +531,53 @@ def cluster_rank(cfg: RowConfig):
     return cute.arch.block_idx()[1] if const_expr(cfg.cluster_n > 1) else Int32(0)
 
 
-def start_row_cta(cfg: RowConfig, stages: int = 1):
+def start_row_cta(cfg: RowConfig, stages: int = 1, single_exchange: bool = False):
     """The common start of a row-wise kernel: this CTA's cluster rank, the
     arrive half of the start-up cluster barrier (the kernel calls
     ``cluster_wait`` before its first reduction), and the shared memory with
-    the reduction buffer of ``stages`` stages allocated first."""
+    the reduction buffer of ``stages`` stages allocated first.
+
+    ``single_exchange``: the kernel exchanges once per CTA (every
+    non-persistent kernel).  In a cluster it then gets an mbarrier for
+    ``st.async`` exchanges (see ``_exchange``), initialised here, before the
+    start-up barrier makes it visible to the peers; otherwise None.  A
+    persistent kernel reuses its slots and keeps the cluster barrier, which
+    also tells a CTA that its peers are done reading them.
+    Returns (rank, smem, sRed, mbar)."""
     rank = cluster_rank(cfg)
-    if cfg.cluster_n > 1:
-        cute.arch.cluster_arrive_relaxed()
     smem = cutlass.memory.SmemAllocator()
     sRed = smem.allocate_tensor(
         Float32, reduction_buffer_layout(cfg, stages=stages), byte_alignment=8
     )
-    return rank, smem, sRed
+    mbar = None
+    if cfg.cluster_n > 1 and single_exchange:
+        mbar = smem.allocate_array(cutlass.Int64, 1, byte_alignment=8)
+        _init_exchange_barrier(mbar)
+    if cfg.cluster_n > 1:
+        cute.arch.cluster_arrive_relaxed()
+    return rank, smem, sRed, mbar
 
 
-def launch_rows(kernel, cfg: RowConfig, m, stream) -> None:
-    """Launch a row-wise kernel: one CTA (one cluster) per ``rows_per_cta`` rows."""
+@cute.jit
+def _init_exchange_barrier(mbar):
+    """One arrival (the expect-tx of ``_exchange``) per phase."""
+    if cute.arch.thread_idx()[0] == 0:
+        cute.arch.mbarrier_init(mbar, 1)
+    cute.arch.mbarrier_init_fence()
+
+
+def launch_rows(kernel, cfg: RowConfig, m, stream, staged: bool = False) -> None:
+    """Launch a row-wise kernel: one CTA (one cluster) per ``rows_per_cta`` rows.
+    ``staged`` (``stages_row``): cap registers so that ``STAGED_CTAS_PER_SM``
+    CTAs fit on an SM, and state the shared-memory carveout (the largest),
+    so the DSL need not query a device: compile-only has none."""
+    occupancy = {"min_blocks_per_mp": STAGED_CTAS_PER_SM, "preferred_smem_carveout": 100} if staged else {}
     kernel.launch(
         grid=[cute.ceil_div(m, cfg.rows_per_cta), cfg.cluster_n, 1],
         block=[cfg.threads, 1, 1],
         cluster=[1, cfg.cluster_n, 1] if const_expr(cfg.cluster_n > 1) else None,
         stream=stream,
+        **occupancy,
     )
 
 
@@ -459,21 +598,60 @@ def weight_slice(cfg: RowConfig, thr, mW, m, n, rank):
     tuple, since an object used inside a run-time loop would be loop-carried."""
     cW = cute.local_tile(cute.make_identity_tensor((m, n)), cfg.tiler, (0, rank))
     coords = thr.partition_S(cW)
-    if mW is None:
-        return coords, None
-    pred = copy_predicate(coords, None, n, not cfg.covers_n_exactly)
-    return coords, (broadcast_vector(cfg, thr, mW, rank), pred, vector_atom(mW.element_type, cfg))
+    pred = copy_predicate(coords, None, n, not cfg.covers_n_exactly) if mW is not None else None
+    return coords, broadcast_param(cfg, thr, mW, rank, pred)
+
+
+def broadcast_param(cfg: RowConfig, thr, mV, rank, pred):
+    """An (N,) parameter (a weight, a bias) as kernels read it: (this
+    thread's slice, its copy predicate, its copy atom), or None without one."""
+    if mV is None:
+        return None
+    return broadcast_vector(cfg, thr, mV, rank), pred, vector_atom(mV.element_type, cfg)
+
+
+def load_param(param, v=None):
+    """``part`` v of a ``broadcast_param`` slice in fp32 (read from L2, where
+    every row's CTAs find it)."""
+    gmem, pred, atom = param
+    gmem, pred = part(gmem, v), part(pred, v)
+    regs = cute.make_rmem_tensor_like(gmem)
+    load_row(atom, gmem, regs, pred)
+    return regs.load().to(Float32)
 
 
 def times_weight(weight, values):
     """``values`` (fp32, laid out like this thread's slice) times the weight
-    from ``weight_slice`` (its second element); unchanged when that is None."""
-    if weight is None:
-        return values
-    gmem, pred, atom = weight
-    regs = cute.make_rmem_tensor_like(gmem)
-    load_row(atom, gmem, regs, pred)
-    return values * regs.load().to(Float32)
+    (``broadcast_param``); unchanged without one."""
+    return values if weight is None else values * load_param(weight)
+
+
+# Vectors of a staged slice whose parameters (weight, bias) a forward's output
+# pass loads at once: loads cannot move above the previous vectors' stores
+# (they might alias), so each group costs one L2 round trip, and a whole
+# slice's parameters would not fit in the registers of a staged kernel.
+PARAM_GROUP_VECTORS = 2
+
+
+def param_groups(cfg: RowConfig, staged: bool) -> list:
+    """The groups of ``slice_parts`` of a forward's output pass."""
+    parts = slice_parts(cfg, staged)
+    return [parts[i:i + PARAM_GROUP_VECTORS] for i in range(0, len(parts), PARAM_GROUP_VECTORS)]
+
+
+def param_vectors(param, vectors) -> dict:
+    """{v: ``part`` v of a ``broadcast_param`` in fp32} for a group of parts,
+    loads issued together; {v: None} without the parameter."""
+    return {v: None if param is None else load_param(param, v) for v in vectors}
+
+
+def scale_shift(values, weight, bias):
+    """values * weight + bias, either of them possibly None."""
+    if weight is not None:
+        values = values * weight
+    if bias is not None:
+        values = values + bias
+    return values
 
 
 def row_slices(cfg: RowConfig, thr, tile, rank, mX, mDy):

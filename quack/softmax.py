@@ -35,7 +35,7 @@ MAX_N = 262144
 def compile_softmax_fwd(dtype: str, n: int, vec: int):
     """Compile the forward kernel for one static specialisation (M is symbolic)."""
     dt = ti.cute_dtype(dtype)
-    cfg = forward_config(n, vec, dt.width // 8, long_rows_16bit=False)
+    cfg = forward_config(n, vec)
     m = cute.sym_int()
     return cute.compile(
         SoftmaxForward(cfg), rowwise.fake_rows(dt, m, n, vec), rowwise.fake_rows(dt, m, n, vec),

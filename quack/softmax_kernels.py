@@ -2,10 +2,12 @@
 
 Forward, per row:  y = exp(x - max(x)) / sum(exp(x - max(x))).
 Each CTA owns ``rows_per_cta`` rows (or, in a cluster, one slice of a row) and
-loads its slice into registers once; masked columns read as -inf so they add
-nothing.  The row max and the sum of exponentials come from one exchange
-(``rowwise.row_max_and_exp``: each thread exponentiates against its own max,
-the (max, sum) pairs are merged, the kept exponentials rescaled once).
+reads its slice once; masked columns read as -inf so they add nothing.  The
+row max and the sum of exponentials come from one exchange of (max, sum)
+pairs: a row in registers keeps its exponentials and rescales them once
+(``rowwise.row_max_and_exp``); a row staged in shared memory (clusters) keeps
+a running pair per thread and recomputes exp(x - max) on the way out
+(``rowwise.staged_max_and_sum``).
 
 Backward, per row:  dx = y * (dy - sum(y * dy)); one row reduction.
 
@@ -20,6 +22,7 @@ from __future__ import annotations
 import math
 
 import cuda.bindings.driver as cuda
+import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, const_expr
 
@@ -38,7 +41,10 @@ class SoftmaxForward:
     @cute.jit
     def __call__(self, mX: cute.Tensor, mY: cute.Tensor, stream: cuda.CUstream):
         copy = rowwise.make_row_copy(mX.element_type, self.cfg)
-        rowwise.launch_rows(self.kernel(mX, mY, copy), self.cfg, mX.shape[0], stream)
+        rowwise.launch_rows(
+            self.kernel(mX, mY, copy), self.cfg, mX.shape[0], stream,
+            staged=rowwise.stages_row(self.cfg, mX.element_type),
+        )
 
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mY: cute.Tensor, copy: cute.TiledCopy):
@@ -46,7 +52,7 @@ class SoftmaxForward:
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         # Stage 0: the max; stage 1: the sum.
-        rank, smem, sRed = rowwise.start_row_cta(cfg, stages=2)
+        rank, smem, sRed, mbar = rowwise.start_row_cta(cfg, stages=2, single_exchange=True)
         m, n = mX.shape[0], mX.shape[1]
         gX = cute.local_tile(mX, cfg.tiler, (bidx, rank))
         gY = cute.local_tile(mY, cfg.tiler, (bidx, rank))
@@ -57,20 +63,35 @@ class SoftmaxForward:
         # tXgX: ((vec), 1, vecs_per_thread) per thread
         tXpX = rowwise.copy_predicate(tXcX, m, n, not cfg.covers_n_exactly)
 
-        tXrX = cute.make_rmem_tensor_like(tXgX)
-        rowwise.load_row_filled(
-            rowwise.vector_atom(mX.element_type, cfg), tXgX, tXrX, tXpX, -math.inf
-        )
-        x = tXrX.load().to(Float32)
-        if const_expr(cfg.cluster_n > 1):
-            cute.arch.cluster_wait()
-        _, denom, p = rowwise.row_max_and_exp(
-            x, sRed[None, None, 0], sRed[None, None, 1], cfg.threads_per_row, cfg.cluster_n
-        )
-        y = p * cute.arch.rcp_approx(denom)
         tXrY = cute.make_rmem_tensor_like(tXgY)
-        tXrY.store(y.to(mY.element_type))
-        rowwise.store_row(rowwise.vector_atom(mY.element_type, cfg), tXrY, tXgY, tXpX)
+        atom_y = rowwise.vector_atom(mY.element_type, cfg)
+        if const_expr(rowwise.stages_row(cfg, mX.element_type)):
+            # A row split over a cluster: staged in shared memory, read back a
+            # vector at a time for the statistics and again for the output.
+            tXsX = rowwise.stage_row(smem, cfg, thr, tXgX, tXpX)
+            valid = rowwise.column_mask(tXcX, n) if const_expr(not cfg.covers_n_exactly) else None
+            rowwise.slice_ready(cfg, True)
+            row_max, denom = rowwise.staged_max_and_sum(
+                tXsX, valid, cfg, sRed[None, None, 0], sRed[None, None, 1], mbar
+            )
+            scale = cute.arch.rcp_approx(denom)
+            for v in cutlass.range_constexpr(cfg.vecs_per_thread):
+                y = rowwise.exp_shifted(rowwise.slice_vector(tXsX, valid, v, -math.inf), row_max) * scale
+                tXrY[None, None, v].store(y.to(mY.element_type))
+                cute.copy(atom_y, tXrY[None, None, v], tXgY[None, None, v], pred=tXpX[None, None, v])
+        else:
+            tXrX = cute.make_rmem_tensor_like(tXgX)
+            rowwise.load_row_filled(
+                rowwise.vector_atom(mX.element_type, cfg), tXgX, tXrX, tXpX, -math.inf
+            )
+            if const_expr(cfg.cluster_n > 1):
+                cute.arch.cluster_wait()
+            _, denom, p = rowwise.row_max_and_exp(
+                tXrX.load().to(Float32), sRed[None, None, 0], sRed[None, None, 1], cfg.threads_per_row,
+                cfg.cluster_n, mbar,
+            )
+            tXrY.store((p * cute.arch.rcp_approx(denom)).to(mY.element_type))
+            rowwise.store_row(atom_y, tXrY, tXgY, tXpX)
 
 
 class SoftmaxBackward:
@@ -82,14 +103,17 @@ class SoftmaxBackward:
     @cute.jit
     def __call__(self, mY: cute.Tensor, mDy: cute.Tensor, mDx: cute.Tensor, stream: cuda.CUstream):
         copy = rowwise.make_row_copy(mY.element_type, self.cfg)
-        rowwise.launch_rows(self.kernel(mY, mDy, mDx, copy), self.cfg, mY.shape[0], stream)
+        rowwise.launch_rows(
+            self.kernel(mY, mDy, mDx, copy), self.cfg, mY.shape[0], stream,
+            staged=_stages_backward(self.cfg, mY.element_type),
+        )
 
     @cute.kernel
     def kernel(self, mY: cute.Tensor, mDy: cute.Tensor, mDx: cute.Tensor, copy: cute.TiledCopy):
         cfg = self.cfg
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
-        rank, smem, sRed = rowwise.start_row_cta(cfg)
+        rank, smem, sRed, mbar = rowwise.start_row_cta(cfg, single_exchange=True)
         m, n = mY.shape[0], mY.shape[1]
         gY = cute.local_tile(mY, cfg.tiler, (bidx, rank))
         gDy = cute.local_tile(mDy, cfg.tiler, (bidx, rank))
@@ -102,16 +126,29 @@ class SoftmaxBackward:
         # tXgY: ((vec), 1, vecs_per_thread) per thread
         tXpX = rowwise.copy_predicate(tXcX, m, n, not cfg.covers_n_exactly)
 
-        tXrY, tXrDy = cute.make_rmem_tensor_like(tXgY), cute.make_rmem_tensor_like(tXgDy)
-        rowwise.load_row(rowwise.vector_atom(mY.element_type, cfg), tXgY, tXrY, tXpX)
-        rowwise.load_row(rowwise.vector_atom(mDy.element_type, cfg), tXgDy, tXrDy, tXpX)
-        y = tXrY.load().to(Float32)
-        dy = tXrDy.load().to(Float32)
-        if const_expr(cfg.cluster_n > 1):
-            cute.arch.cluster_wait()
-        dot = (y * dy).reduce(cute.ReductionOp.ADD, Float32(0.0), reduction_profile=0)
-        dot = rowwise.row_reduce(dot, "sum", sRed[None, None, 0], cfg.threads_per_row, cfg.cluster_n)
-        dx = y * (dy - dot)
+        # y, dy and dx share one dtype.
+        staged = const_expr(_stages_backward(cfg, mY.element_type))
+        tXsY = rowwise.load_slice(smem, cfg, thr, tXgY, tXpX, staged)
+        tXsDy = rowwise.load_slice(smem, cfg, thr, tXgDy, tXpX, staged)
+        valid = rowwise.column_mask(tXcX, n) if const_expr(not cfg.covers_n_exactly) else None
+        rowwise.slice_ready(cfg, staged)
+        dot = Float32(0.0)
+        parts = rowwise.slice_parts(cfg, staged)
+        for v in parts:
+            y_dy = rowwise.slice_vector(tXsY, valid, v) * rowwise.slice_vector(tXsDy, valid, v)
+            dot += y_dy.reduce(cute.ReductionOp.ADD, Float32(0.0), reduction_profile=0)
+        dot = rowwise.row_reduce(dot, "sum", sRed[None, None, 0], cfg.threads_per_row, cfg.cluster_n, mbar)
         tXrDx = cute.make_rmem_tensor_like(tXgDx)
-        tXrDx.store(dx.to(mDx.element_type))
-        rowwise.store_row(rowwise.vector_atom(mDx.element_type, cfg), tXrDx, tXgDx, tXpX)
+        st = rowwise.vector_atom(mDx.element_type, cfg)
+        for v in parts:
+            y = rowwise.slice_vector(tXsY, None, v)
+            rowwise.part(tXrDx, v).store((y * (rowwise.slice_vector(tXsDy, None, v) - dot)).to(mDx.element_type))
+            cute.copy(st, rowwise.part(tXrDx, v), rowwise.part(tXgDx, v), pred=rowwise.part(tXpX, v))
+
+
+def _stages_backward(cfg: RowConfig, dtype) -> bool:
+    """The backward stages y and dy in shared memory only where holding them
+    in registers would need 512-thread CTAs, of which one fits per SM (H200,
+    bf16, % of copy: N=256K 78 -> 89 staged; N=16K / 64K 102 / 104 in
+    registers, 99 / 94 staged)."""
+    return cfg.threads > 256 and rowwise.stages_row(cfg, dtype)

@@ -27,7 +27,7 @@ from quack import rowwise  # noqa: E402
 
 SHAPES = [(16384, 16384), (8192, 65536), (4096, 262144)]
 SWEEPS = [
-    ("fwd", ("FORWARD_VALUES_PER_THREAD", "FORWARD_VALUES_PER_THREAD_LONG_16BIT"), [32, 64, 128]),
+    ("fwd", ("FORWARD_VALUES_PER_THREAD",), [32, 64, 128]),
     ("bwd", ("BACKWARD_VALUES_PER_THREAD",), [16, 32, 64]),
 ]
 
@@ -73,7 +73,7 @@ def main() -> None:
             for m, n in SHAPES:
                 fwd, bwd = _launchers(family, m, n)
                 fn, nbytes = fwd if kind == "fwd" else bwd
-                cfg = (rowwise.forward_config(n, 8, 2, family in ("rmsnorm", "layernorm")) if kind == "fwd"
+                cfg = (rowwise.forward_config(n, 8) if kind == "fwd"
                        else rowwise.backward_config(n, 8))
                 tbs = nbytes / (bench_ms(fn) * 1e-3) / 1e12
                 cells.append(f"{n}: {100 * tbs / copy_tbs:.0f}% (threads {cfg.threads}, cluster {cfg.cluster_n})")
