@@ -90,7 +90,7 @@ class CrossEntropyForward:
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         # Stage 0: the max; stage 1: the sum.
-        rank, smem, sRed, mbar = rowwise.start_row_cta(cfg, stages=2, single_exchange=True)
+        rank, smem, sRed, mbar = rowwise.start_row_cta(cfg, stages=2)
         m, n = mX.shape[0], mX.shape[1]
         gX = cute.local_tile(mX, cfg.tiler, (bidx, rank))
         gC = cute.local_tile(cute.make_identity_tensor((m, n)), cfg.tiler, (bidx, rank))

@@ -101,7 +101,7 @@ class LayerNormForward:
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         # Stages: count, sum and squared deviations of each part of the row.
-        rank, smem, sRed, mbar = rowwise.start_row_cta(cfg, stages=3, single_exchange=True)
+        rank, smem, sRed, mbar = rowwise.start_row_cta(cfg, stages=3)
         m, n = mX.shape[0], mX.shape[1]
         gX, gY, gC = rowwise.row_tiles(cfg, bidx, rank, mX, mY, cute.make_identity_tensor((m, n)))
         # gX: (rows_per_cta, cols_per_cta) tile of this CTA
@@ -205,7 +205,7 @@ class LayerNormBackward:
         num_ctas, _, _ = cute.arch.grid_dim()
         # c1 and c2 of a tile go through one exchange, in stages (0, 1) or
         # (2, 3): consecutive tiles alternate, see rowwise.row_merge.
-        rank, smem, sRed, _ = rowwise.start_row_cta(cfg, stages=4)
+        rank, smem, sRed, mbar = rowwise.start_row_cta(cfg, stages=4, exchange_sets=2)
         m, n = mX.shape[0], mX.shape[1]
         thr = copy.get_slice(tidx)
         check_cols = not cfg.covers_n_exactly
@@ -259,10 +259,10 @@ class LayerNormBackward:
                 rowwise.load_row(atom_x, tXgXn, tXrXn, tXpXn)
                 rowwise.load_row(atom_dy, tXgDyn, tXrDyn, tXpXn)
 
-            stage = 2 * (((tile - bidx) // num_ctas) % 2)
+            turn, turn_mbar, phase = rowwise.exchange_turn(tile, bidx, num_ctas, mbar)
             c1, c2 = rowwise.row_merge(
-                (c1, c2), (sRed[None, None, stage], sRed[None, None, stage + 1]), rowwise.merge_sums,
-                (Float32(0.0), Float32(0.0)), cfg.threads_per_row, cfg.cluster_n,
+                (c1, c2), (sRed[None, None, 2 * turn], sRed[None, None, 2 * turn + 1]), rowwise.merge_sums,
+                (Float32(0.0), Float32(0.0)), cfg.threads_per_row, cfg.cluster_n, turn_mbar, phase,
             )
             dx = (wdy - c2 / cfg.n - x_hat * (c1 / cfg.n)) * rstd
             (gDx,) = rowwise.row_tiles(cfg, tile, rank, mDx)

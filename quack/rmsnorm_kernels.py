@@ -71,7 +71,7 @@ class RMSNormForward:
         cfg = self.cfg
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
-        rank, smem, sRed, mbar = rowwise.start_row_cta(cfg, single_exchange=True)
+        rank, smem, sRed, mbar = rowwise.start_row_cta(cfg)
 
         m, n = mX.shape[0], mX.shape[1]
         cX = cute.make_identity_tensor((m, n))
@@ -189,7 +189,7 @@ class RMSNormBackward:
         bidx, _, _ = cute.arch.block_idx()
         num_ctas, _, _ = cute.arch.grid_dim()
         # Two stages: consecutive row tiles alternate, see rowwise.row_reduce.
-        rank, smem, sRed, _ = rowwise.start_row_cta(cfg, stages=2)
+        rank, smem, sRed, mbar = rowwise.start_row_cta(cfg, stages=2, exchange_sets=2)
         m, n = mX.shape[0], mX.shape[1]
         thr = copy.get_slice(tidx)
         check_cols = not cfg.covers_n_exactly
@@ -226,7 +226,6 @@ class RMSNormBackward:
             tXrXn, tXrDyn = cute.make_rmem_tensor_like(tXgX), cute.make_rmem_tensor_like(tXgDy)
             rowwise.load_row(atom_x, tXgX, tXrX, tXpX)
             rowwise.load_row(atom_dy, tXgDy, tXrDy, tXpX)
-        stage = Int32(0)
         for tile in cutlass.range(bidx, num_tiles, num_ctas):
             tXgX, tXgDy, tXcX, tXpX = rowwise.row_slices(cfg, thr, tile, rank, mX, mDy)
             if const_expr(not self.prefetch):
@@ -246,7 +245,10 @@ class RMSNormBackward:
                 rowwise.load_row(atom_x, tXgXn, tXrXn, tXpXn)
                 rowwise.load_row(atom_dy, tXgDyn, tXrDyn, tXpXn)
 
-            dot = rowwise.row_reduce(dot, "sum", sRed[None, None, stage], cfg.threads_per_row, cfg.cluster_n)
+            turn, turn_mbar, phase = rowwise.exchange_turn(tile, bidx, num_ctas, mbar)
+            dot = rowwise.row_reduce(
+                dot, "sum", sRed[None, None, turn], cfg.threads_per_row, cfg.cluster_n, turn_mbar, phase
+            )
             dx = (wdy - x_hat * (dot / cfg.n)) * rstd
             gDhOut, gDx = rowwise.row_tiles(cfg, tile, rank, mDhOut, mDx)
             if const_expr(mDhOut is not None):
@@ -263,7 +265,6 @@ class RMSNormBackward:
             if const_expr(self.prefetch):
                 tXrX.store(tXrXn.load())
                 tXrDy.store(tXrDyn.load())
-            stage = 1 - stage
 
         if const_expr(mDwPartial is not None):
             # Partial row (bidx * rows_per_cta + row in CTA) of the (grid * rows, N) buffer.

@@ -17,10 +17,9 @@ Every row-wise kernel maps a (M, N) row-major tensor the same way:
 
 Row reductions go lane -> warp (butterfly shuffles) -> CTA (one shared-memory
 slot per warp) -> cluster (each warp writes its partial into every peer CTA's
-shared memory through DSMEM).  A kernel that exchanges once per CTA sends
-those as ``st.async`` stores counted on each receiver's mbarrier, and a CTA
-waits only for its own slots; a persistent kernel, which reuses its slots,
-waits on a cluster barrier.  Reductions always run in fp32.
+shared memory through DSMEM, as ``st.async`` stores counted on each
+receiver's mbarrier, so a CTA waits only for its own slots to fill).
+Reductions always run in fp32.
 
 Host side: ``RowConfig`` picks the launch settings from N and the element
 width; ``fake_rows`` builds the compile-time stand-ins of (M, N) tensors with a
@@ -343,21 +342,25 @@ def row_reduce(
     threads_per_row: cutlass.Constexpr[int],
     cluster_n: cutlass.Constexpr[int],
     mbar=None,
+    phase=0,
 ) -> Float32:
     """Reduce ``val`` ("sum" or "max") over the threads (and cluster peers)
     that share a row: lane -> warp (shuffles) -> CTA (one shared slot per
     warp) -> cluster (each warp stores its partial into every peer's slots
-    through DSMEM, then one cluster barrier).
+    through DSMEM, see ``_exchange``).
 
-    With a cluster, the kernel must have called ``cluster_arrive_relaxed`` at
-    its start and ``cluster_wait`` before the first call: DSMEM may only be
-    written once every peer CTA runs.
+    With a cluster, the kernel must have called ``start_row_cta`` and
+    ``cluster_wait`` before the first call: DSMEM may only be written once
+    every peer CTA runs.  ``mbar`` and ``phase``: the mbarrier of the
+    buffer's set and the parity of its use (0, 1, 0, ... each time the set
+    comes round).
 
     ``buffer`` is one stage of ``reduction_buffer_layout``: shape
-    (rows_per_cta, (warps_per_row, cluster_n)).  Successive reductions must
-    alternate between two stages (a max then a sum; consecutive row tiles of
-    a loop): together with the barrier here that keeps a fast CTA from
-    overwriting slots a slow peer still reads."""
+    (rows_per_cta, (warps_per_row, cluster_n)).  Successive exchanges of a
+    loop must alternate between two sets of stages: a CTA writes a peer's
+    set only after that peer has sent its partials of the other set, which
+    it does after reading this set's previous slots, so a fast CTA never
+    overwrites slots a slow peer still reads."""
     if const_expr(op == "max"):
         val = cute.arch.warp_reduction(
             val, lambda a, b: cute.arch.fmax(a, b), threads_in_group=min(threads_per_row, 32)
@@ -368,7 +371,7 @@ def row_reduce(
         )
     if const_expr(threads_per_row <= 32 and cluster_n == 1):
         return val
-    row_in_cta, slots = _exchange((val,), (buffer,), threads_per_row, cluster_n, mbar)
+    row_in_cta, slots = _exchange((val,), (buffer,), threads_per_row, cluster_n, mbar, phase)
     lane = cute.arch.lane_idx()
     if const_expr(op == "max"):
         total = Float32(-math.inf)
@@ -387,15 +390,15 @@ def row_reduce(
 
 
 @cute.jit
-def _exchange(values, buffers, threads_per_row: cutlass.Constexpr[int], cluster_n: cutlass.Constexpr[int], mbar=None):
+def _exchange(values, buffers, threads_per_row: cutlass.Constexpr[int], cluster_n: cutlass.Constexpr[int], mbar, phase):
     """Publish each warp's partials (one per buffer) to the row's slots, in
     this CTA or, through DSMEM, in every peer CTA, and wait until all have
-    arrived: one barrier (one cluster barrier) for all of them.  With
-    ``mbar`` (``start_row_cta(..., single_exchange=True)``) the DSMEM writes
-    are ``st.async`` stores that count themselves on each receiver's
-    mbarrier, and a CTA waits only for its own slots to fill rather than for
-    every thread of the cluster.  Returns (row of this warp in the CTA,
-    slots per row)."""
+    arrived: one barrier for all of them.  In a cluster the DSMEM writes are
+    ``st.async`` stores that count themselves on the receiver's mbarrier
+    ``mbar`` (``start_row_cta``), and a CTA waits for that mbarrier's
+    ``phase`` to complete, i.e. only for its own slots to fill, not for every
+    thread of the cluster.  Returns (row of this warp in the CTA, slots per
+    row)."""
     lane = cute.arch.lane_idx()
     warp = cute.arch.warp_idx()
     warps_per_row = const_expr(max(1, threads_per_row // 32))
@@ -408,32 +411,21 @@ def _exchange(values, buffers, threads_per_row: cutlass.Constexpr[int], cluster_
         cute.arch.barrier()
     else:
         rank = cute.arch.block_idx_in_cluster()
-        if const_expr(mbar is not None):
-            if warp == 0:
-                with cute.arch.elect_one():
-                    # Every slot of every buffer, written once by its sender.
-                    slot_bytes = const_expr(4 * len(values) * cute.cosize(buffers[0].layout))
-                    cute.arch.mbarrier_arrive_and_expect_tx(mbar, slot_bytes)
+        if warp == 0:
+            with cute.arch.elect_one():
+                # Every slot of every buffer, written once by its sender.
+                slot_bytes = const_expr(4 * len(values) * cute.cosize(buffers[0].layout))
+                cute.arch.mbarrier_arrive_and_expect_tx(mbar, slot_bytes)
         if lane < cluster_n:
+            remote_mbar = cute.arch.map_dsmem_ptr(mbar, lane)
             for i in cutlass.range_constexpr(len(values)):
                 offset = cute.crd2idx((row_in_cta, (warp_in_row, rank)), buffers[i].layout)
                 remote = cute.arch.map_dsmem_ptr(buffers[i].iterator + offset, lane)
-                if const_expr(mbar is None):
-                    cute.arch.inline_ptx(
-                        "st.shared::cluster.f32 [{$r0}], {$r1};",
-                        read_only_args=[Int32(remote.toint()), values[i]],
-                    )
-                else:
-                    remote_mbar = cute.arch.map_dsmem_ptr(mbar, lane)
-                    cute.arch.inline_ptx(
-                        "st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [{$r0}], {$r1}, [{$r2}];",
-                        read_only_args=[Int32(remote.toint()), values[i], Int32(remote_mbar.toint())],
-                    )
-        if const_expr(mbar is None):
-            cute.arch.cluster_arrive(aligned=True)
-            cute.arch.cluster_wait()
-        else:
-            cute.arch.mbarrier_wait(mbar, 0)
+                cute.arch.inline_ptx(
+                    "st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [{$r0}], {$r1}, [{$r2}];",
+                    read_only_args=[Int32(remote.toint()), values[i], Int32(remote_mbar.toint())],
+                )
+        cute.arch.mbarrier_wait(mbar, phase)
     return row_in_cta, const_expr(warps_per_row * cluster_n)
 
 
@@ -446,6 +438,7 @@ def row_merge(
     threads_per_row: cutlass.Constexpr[int],
     cluster_n: cutlass.Constexpr[int],
     mbar=None,
+    phase=0,
 ) -> tuple:
     """Combine per-thread states (tuples of fp32, one buffer stage per
     element) over the threads and cluster peers of a row with one exchange:
@@ -461,7 +454,7 @@ def row_merge(
     for i in cutlass.range_constexpr(int(math.log2(width))):
         values = merge(values, _shuffle_xor(values, width >> (i + 1)))
     if const_expr(threads_per_row > 32 or cluster_n > 1):
-        row_in_cta, slots = _exchange(values, buffers, threads_per_row, cluster_n, mbar)
+        row_in_cta, slots = _exchange(values, buffers, threads_per_row, cluster_n, mbar, phase)
         lane = cute.arch.lane_idx()
         values = identity
         for i in cutlass.range_constexpr(0, slots, 32):
@@ -531,38 +524,47 @@ def cluster_rank(cfg: RowConfig):
     return cute.arch.block_idx()[1] if const_expr(cfg.cluster_n > 1) else Int32(0)
 
 
-def start_row_cta(cfg: RowConfig, stages: int = 1, single_exchange: bool = False):
+def start_row_cta(cfg: RowConfig, stages: int = 1, exchange_sets: int = 1):
     """The common start of a row-wise kernel: this CTA's cluster rank, the
     arrive half of the start-up cluster barrier (the kernel calls
-    ``cluster_wait`` before its first reduction), and the shared memory with
-    the reduction buffer of ``stages`` stages allocated first.
+    ``cluster_wait``, or ``slice_ready``, before its first reduction), and
+    the shared memory with the reduction buffer of ``stages`` stages
+    allocated first.
 
-    ``single_exchange``: the kernel exchanges once per CTA (every
-    non-persistent kernel).  In a cluster it then gets an mbarrier for
-    ``st.async`` exchanges (see ``_exchange``), initialised here, before the
-    start-up barrier makes it visible to the peers; otherwise None.  A
-    persistent kernel reuses its slots and keeps the cluster barrier, which
-    also tells a CTA that its peers are done reading them.
-    Returns (rank, smem, sRed, mbar)."""
+    In a cluster, also ``exchange_sets`` mbarriers, one per set of buffer
+    stages that the kernel's exchanges take in turn (``_exchange``): 1 for a
+    kernel that exchanges once, 2 for a persistent loop alternating between
+    two sets.  They are initialised before the start-up barrier makes them
+    visible to the peers.  Returns (rank, smem, sRed, mbar): mbar points to
+    the first mbarrier (None without a cluster)."""
     rank = cluster_rank(cfg)
     smem = cutlass.memory.SmemAllocator()
     sRed = smem.allocate_tensor(
         Float32, reduction_buffer_layout(cfg, stages=stages), byte_alignment=8
     )
     mbar = None
-    if cfg.cluster_n > 1 and single_exchange:
-        mbar = smem.allocate_array(cutlass.Int64, 1, byte_alignment=8)
-        _init_exchange_barrier(mbar)
     if cfg.cluster_n > 1:
+        mbar = smem.allocate_array(cutlass.Int64, exchange_sets, byte_alignment=8)
+        _init_exchange_barriers(mbar, exchange_sets)
         cute.arch.cluster_arrive_relaxed()
     return rank, smem, sRed, mbar
 
 
+def exchange_turn(tile, first_tile, tile_step, mbar):
+    """A persistent loop's exchange for one row tile: (set of buffer stages,
+    0 or 1, alternating per tile; that set's mbarrier; its phase).  The n-th
+    tile of a CTA uses set n % 2 for the (n // 2)-th time."""
+    turn = (tile - first_tile) // tile_step
+    parity = turn % 2
+    return parity, (None if mbar is None else mbar + parity), (turn // 2) % 2
+
+
 @cute.jit
-def _init_exchange_barrier(mbar):
+def _init_exchange_barriers(mbar, count: cutlass.Constexpr[int]):
     """One arrival (the expect-tx of ``_exchange``) per phase."""
     if cute.arch.thread_idx()[0] == 0:
-        cute.arch.mbarrier_init(mbar, 1)
+        for i in cutlass.range_constexpr(count):
+            cute.arch.mbarrier_init(mbar + i, 1)
     cute.arch.mbarrier_init_fence()
 
 

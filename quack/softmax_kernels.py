@@ -52,7 +52,7 @@ class SoftmaxForward:
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         # Stage 0: the max; stage 1: the sum.
-        rank, smem, sRed, mbar = rowwise.start_row_cta(cfg, stages=2, single_exchange=True)
+        rank, smem, sRed, mbar = rowwise.start_row_cta(cfg, stages=2)
         m, n = mX.shape[0], mX.shape[1]
         gX = cute.local_tile(mX, cfg.tiler, (bidx, rank))
         gY = cute.local_tile(mY, cfg.tiler, (bidx, rank))
@@ -113,7 +113,7 @@ class SoftmaxBackward:
         cfg = self.cfg
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
-        rank, smem, sRed, mbar = rowwise.start_row_cta(cfg, single_exchange=True)
+        rank, smem, sRed, mbar = rowwise.start_row_cta(cfg)
         m, n = mY.shape[0], mY.shape[1]
         gY = cute.local_tile(mY, cfg.tiler, (bidx, rank))
         gDy = cute.local_tile(mDy, cfg.tiler, (bidx, rank))
