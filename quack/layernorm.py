@@ -17,7 +17,6 @@ Test: ``pytest tests/test_layernorm.py``; benchmark: ``python tools/bench/layern
 
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import cutlass.cute as cute
@@ -29,7 +28,8 @@ from quack import torch_interop as ti
 from quack.cache import compile_options, jit_cache
 from quack.compile_only import is_compile_only
 from quack.cute_op import cute_op
-from quack.layernorm_kernels import LayerNormBackward, LayerNormForward
+from quack.layernorm_kernels import LayerNormForward
+from quack.norm_backward import NormBackward, grid_clusters
 from quack.rowwise import backward_config, forward_config
 
 MAX_N = 262144
@@ -72,7 +72,7 @@ def compile_layernorm_bwd(
     dw_partial = rowwise.fake_rows(Float32, p, n, vec) if weight_dtype else None
     db_partial = rowwise.fake_rows(Float32, p, n, vec) if has_bias else None
     return cute.compile(
-        LayerNormBackward(cfg), rows(), _fake_param(weight_dtype, n, vec), rows(),
+        NormBackward(cfg, centred=True), rows(), _fake_param(weight_dtype, n, vec), rows(), None,
         rowwise.fake_vector(Float32, m), rowwise.fake_vector(Float32, m), rows(), dw_partial,
         db_partial, Int32(1), cute.runtime.make_fake_stream(), options=compile_options(),
     )
@@ -121,7 +121,7 @@ def _layernorm_bwd(
     ti.check_partial_rows("dw_partial", dw_partial, num_ctas, rows_per_cta)
     ti.check_partial_rows("db_partial", db_partial, num_ctas, rows_per_cta)
     kernel = compile_layernorm_bwd(ti.dtype_name(x.dtype), _name(weight), db_partial is not None, n, vec)
-    kernel(x, weight, dy, mean, rstd, dx, dw_partial, db_partial, num_ctas, ti.current_stream(x.device))
+    kernel(x, weight, dy, None, mean, rstd, dx, dw_partial, db_partial, num_ctas, ti.current_stream(x.device))
 
 
 def _validate(x, weight, bias) -> None:
@@ -167,8 +167,10 @@ def layernorm_bwd(x, weight, dy, mean, rstd, has_bias=False):
     dx = torch.empty_like(x)
     dx2 = ti.as_rows(dx, n)
     cfg = backward_config(n, ti.vector_width(n, x2, weight, dy2, dx2))
-    clusters = ti.sm_count(x.device.index or 0) * max(1, 1024 // cfg.threads) // cfg.cluster_n
-    num_ctas = max(1, min(math.ceil(m / cfg.rows_per_cta), clusters))
+    num_ctas = grid_clusters(
+        cfg, m, ti.sm_count(x.device.index or 0), x.element_size(),
+        0 if weight is None else weight.element_size(), False,
+    )
 
     def partial():
         return torch.zeros(num_ctas * cfg.rows_per_cta, n, device=x.device, dtype=torch.float32)

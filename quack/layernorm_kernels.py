@@ -1,4 +1,4 @@
-"""LayerNorm forward and backward kernels (CuTe DSL, sm_90a).
+"""LayerNorm forward kernel (CuTe DSL, sm_90a).
 
 Forward, per row:  mean = sum(x) / N,  xc = x - mean,
 rstd = rsqrt(sum(xc^2) / N + eps),  y = xc * rstd * w + b.
@@ -11,12 +11,8 @@ variance stays accurate for rows with a large mean without a second row
 reduction.  Padded columns are zeroed after centring.  Writes y and, for a
 backward pass, mean and rstd (fp32).
 
-Backward, per row:  x̂ = (x - mean) * rstd,  wdy = dy * w,
-c1 = mean(x̂ * wdy),  c2 = mean(wdy),  dx = (wdy - c2 - x̂ * c1) * rstd.
-The grid is persistent, as in the RMSNorm backward: each CTA (cluster) strides
-over row tiles, accumulates dw += dy * x̂ and db += dy in fp32 registers and
-writes one partial row of each per thread row at the end; the op sums them.
-c1 and c2 go through one exchange (``rowwise.row_merge``).
+The backward (dx, partial dw and db rows) is quack/norm_backward.py's
+persistent kernel, shared with RMSNorm.
 
 Thread mapping, cluster sizes and the reduction are described in
 ``quack/rowwise.py``.  Tests: tests/test_layernorm.py; benchmark:
@@ -30,7 +26,7 @@ from typing import Optional
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32, const_expr
+from cutlass import Float32, const_expr
 
 from quack import rowwise
 from quack.rowwise import RowConfig
@@ -152,156 +148,3 @@ class LayerNormForward:
                 y = rowwise.scale_shift(normed[v], w[v], b[v])
                 rowwise.part(tXrY, v).store(y.to(mY.element_type))
                 cute.copy(st, rowwise.part(tXrY, v), rowwise.part(tXgY, v), pred=rowwise.part(tXpX, v))
-
-
-class LayerNormBackward:
-    """dx = (dy*w - mean(dy*w) - x̂ * mean(x̂ * dy*w)) * rstd; dw and db partial rows."""
-
-    def __init__(self, cfg: RowConfig):
-        self.cfg = cfg
-        # Load the next row tile during this one's reductions, where they wait
-        # on a cluster barrier (the RMSNorm backward's measured rule).
-        self.prefetch = cfg.cluster_n > 1 and cfg.threads <= 256
-
-    @cute.jit
-    def __call__(
-        self,
-        mX: cute.Tensor,
-        mW: Optional[cute.Tensor],
-        mDy: cute.Tensor,
-        mMean: cute.Tensor,
-        mRstd: cute.Tensor,
-        mDx: cute.Tensor,
-        mDwPartial: Optional[cute.Tensor],
-        mDbPartial: Optional[cute.Tensor],
-        num_ctas: Int32,
-        stream: cuda.CUstream,
-    ):
-        cfg = self.cfg
-        copy = rowwise.make_row_copy(mX.element_type, cfg)
-        self.kernel(mX, mW, mDy, mMean, mRstd, mDx, mDwPartial, mDbPartial, copy).launch(
-            grid=[num_ctas, cfg.cluster_n, 1],
-            block=[cfg.threads, 1, 1],
-            cluster=[1, cfg.cluster_n, 1] if const_expr(cfg.cluster_n > 1) else None,
-            stream=stream,
-        )
-
-    @cute.kernel
-    def kernel(
-        self,
-        mX: cute.Tensor,
-        mW: Optional[cute.Tensor],
-        mDy: cute.Tensor,
-        mMean: cute.Tensor,
-        mRstd: cute.Tensor,
-        mDx: cute.Tensor,
-        mDwPartial: Optional[cute.Tensor],
-        mDbPartial: Optional[cute.Tensor],
-        copy: cute.TiledCopy,
-    ):
-        cfg = self.cfg
-        tidx, _, _ = cute.arch.thread_idx()
-        bidx, _, _ = cute.arch.block_idx()
-        num_ctas, _, _ = cute.arch.grid_dim()
-        # c1 and c2 of a tile go through one exchange, in stages (0, 1) or
-        # (2, 3): consecutive tiles alternate, see rowwise.row_merge.
-        rank, smem, sRed, mbar = rowwise.start_row_cta(cfg, stages=4, exchange_sets=2)
-        m, n = mX.shape[0], mX.shape[1]
-        thr = copy.get_slice(tidx)
-        check_cols = not cfg.covers_n_exactly
-        atom_x = rowwise.vector_atom(mX.element_type, cfg)
-        atom_dy = rowwise.vector_atom(mDy.element_type, cfg)
-        atom_dx = rowwise.vector_atom(mDx.element_type, cfg)
-
-        tWcW, weight = rowwise.weight_slice(cfg, thr, mW, m, n, rank)
-
-        # The dw and db accumulators live in shared memory, each thread
-        # owning the slots of its own values (no synchronisation): in
-        # registers, beside x, dy and the weight, they spill at long rows.
-        tXsDw = None
-        if const_expr(mDwPartial is not None):
-            tXsDw = _accumulator(cfg, smem, thr)
-        tXsDb = None
-        if const_expr(mDbPartial is not None):
-            tXsDb = _accumulator(cfg, smem, thr)
-
-        if const_expr(cfg.cluster_n > 1):
-            cute.arch.cluster_wait()
-        num_tiles = cute.ceil_div(m, cfg.rows_per_cta)
-
-        tXgX, tXgDy, _, tXpX = rowwise.row_slices(cfg, thr, bidx, rank, mX, mDy)
-        tXrX, tXrDy = cute.make_rmem_tensor_like(tXgX), cute.make_rmem_tensor_like(tXgDy)
-        if const_expr(self.prefetch):
-            tXrXn, tXrDyn = cute.make_rmem_tensor_like(tXgX), cute.make_rmem_tensor_like(tXgDy)
-            rowwise.load_row(atom_x, tXgX, tXrX, tXpX)
-            rowwise.load_row(atom_dy, tXgDy, tXrDy, tXpX)
-        for tile in cutlass.range(bidx, num_tiles, num_ctas):
-            tXgX, tXgDy, tXcX, tXpX = rowwise.row_slices(cfg, thr, tile, rank, mX, mDy)
-            if const_expr(not self.prefetch):
-                rowwise.load_row(atom_x, tXgX, tXrX, tXpX)
-                rowwise.load_row(atom_dy, tXgDy, tXrDy, tXpX)
-            row = tXcX[0][0]
-            mean = Float32(0.0)
-            rstd = Float32(0.0)
-            if row < m:
-                mean = mMean[row]
-                rstd = mRstd[row]
-            # Padded columns: x̂ is nonzero there but dy is zero, so they add
-            # nothing to c1, c2, dw or db.
-            x_hat = (tXrX.load().to(Float32) - mean) * rstd
-            dy = tXrDy.load().to(Float32)
-            wdy = rowwise.times_weight(weight, dy)
-            c1 = (x_hat * wdy).reduce(cute.ReductionOp.ADD, Float32(0.0), reduction_profile=0)
-            c2 = wdy.reduce(cute.ReductionOp.ADD, Float32(0.0), reduction_profile=0)
-
-            if const_expr(self.prefetch):
-                tXgXn, tXgDyn, _, tXpXn = rowwise.row_slices(cfg, thr, tile + num_ctas, rank, mX, mDy)
-                rowwise.load_row(atom_x, tXgXn, tXrXn, tXpXn)
-                rowwise.load_row(atom_dy, tXgDyn, tXrDyn, tXpXn)
-
-            turn, turn_mbar, phase = rowwise.exchange_turn(tile, bidx, num_ctas, mbar)
-            c1, c2 = rowwise.row_merge(
-                (c1, c2), (sRed[None, None, 2 * turn], sRed[None, None, 2 * turn + 1]), rowwise.merge_sums,
-                (Float32(0.0), Float32(0.0)), cfg.threads_per_row, cfg.cluster_n, turn_mbar, phase,
-            )
-            dx = (wdy - c2 / cfg.n - x_hat * (c1 / cfg.n)) * rstd
-            (gDx,) = rowwise.row_tiles(cfg, tile, rank, mDx)
-            tXgDx = thr.partition_D(gDx)
-            tXrDx = cute.make_rmem_tensor_like(tXgDx)
-            tXrDx.store(dx.to(mDx.element_type))
-            rowwise.store_row(atom_dx, tXrDx, tXgDx, tXpX)
-            if const_expr(mDwPartial is not None):
-                tXsDw.store(tXsDw.load() + dy * x_hat)
-            if const_expr(mDbPartial is not None):
-                tXsDb.store(tXsDb.load() + dy)
-            if const_expr(self.prefetch):
-                tXrX.store(tXrXn.load())
-                tXrDy.store(tXrDyn.load())
-
-        if const_expr(mDwPartial is not None):
-            _store_partial(cfg, thr, bidx, rank, mDwPartial, tXsDw, n, check_cols)
-        if const_expr(mDbPartial is not None):
-            _store_partial(cfg, thr, bidx, rank, mDbPartial, tXsDb, n, check_cols)
-
-
-def _accumulator(cfg: RowConfig, smem, thr):
-    """A zeroed fp32 (rows_per_cta, cols_per_cta) shared tile, partitioned
-    like the thread's row values."""
-    sAcc = smem.allocate_tensor(
-        Float32, cute.make_ordered_layout(cfg.tiler, order=(1, 0)), byte_alignment=16
-    )
-    tXsAcc = thr.partition_D(sAcc)
-    tXsAcc.fill(0.0)
-    return tXsAcc
-
-
-def _store_partial(cfg: RowConfig, thr, bidx, rank, mPartial, tXsAcc, n, check_cols: bool):
-    """Write a CTA's fp32 accumulator to its partial rows (bidx * rows_per_cta
-    + row in CTA) of the (grid * rows_per_cta, N) buffer."""
-    acc = cute.make_rmem_tensor(tXsAcc.shape, Float32)
-    acc.store(tXsAcc.load())
-    gP, cP = rowwise.row_tiles(
-        cfg, bidx, rank, mPartial, cute.make_identity_tensor(mPartial.shape)
-    )
-    pred = rowwise.copy_predicate(thr.partition_S(cP), mPartial.shape[0], n, check_cols)
-    rowwise.store_row(rowwise.vector_atom(Float32, cfg), acc, thr.partition_D(gP), pred)

@@ -16,7 +16,6 @@ Test: ``pytest tests/test_rmsnorm.py``; benchmark: ``python tools/bench/rmsnorm.
 
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import cutlass.cute as cute
@@ -28,7 +27,8 @@ from quack import torch_interop as ti
 from quack.cache import compile_options, jit_cache
 from quack.compile_only import is_compile_only
 from quack.cute_op import cute_op
-from quack.rmsnorm_kernels import RMSNormBackward, RMSNormForward
+from quack.norm_backward import NormBackward, grid_clusters
+from quack.rmsnorm_kernels import RMSNormForward
 from quack.rowwise import backward_config, forward_config
 
 MAX_N = 262144
@@ -65,8 +65,8 @@ def compile_rmsnorm_bwd(dtype: str, weight_dtype: Optional[str], has_dh_out: boo
     dh_out = rows() if has_dh_out else None
     rstd = rowwise.fake_vector(Float32, m)
     return cute.compile(
-        RMSNormBackward(cfg), rows(), weight, rows(), dh_out, rstd, rows(), dw_partial,
-        Int32(1), cute.runtime.make_fake_stream(), options=compile_options(),
+        NormBackward(cfg, centred=False), rows(), weight, rows(), dh_out, None, rstd, rows(), dw_partial,
+        None, Int32(1), cute.runtime.make_fake_stream(), options=compile_options(),
     )
 
 
@@ -117,7 +117,7 @@ def _rmsnorm_bwd(
         n,
         vec,
     )
-    kernel(x, weight, dy, dh_out, rstd, dx, dw_partial, num_ctas, ti.current_stream(x.device))
+    kernel(x, weight, dy, dh_out, None, rstd, dx, dw_partial, None, num_ctas, ti.current_stream(x.device))
 
 
 def _validate(x, weight, residual) -> None:
@@ -169,8 +169,10 @@ def rmsnorm_bwd(h, weight, dy, rstd, dh_out=None):
     dx = torch.empty_like(h)
     dx2 = ti.as_rows(dx, n)
     cfg = backward_config(n, ti.vector_width(n, h2, weight, dy2, dh2, dx2))
-    clusters = ti.sm_count(h.device.index or 0) * max(1, 1024 // cfg.threads) // cfg.cluster_n
-    num_ctas = max(1, min(math.ceil(m / cfg.rows_per_cta), clusters))
+    num_ctas = grid_clusters(
+        cfg, m, ti.sm_count(h.device.index or 0), h.element_size(),
+        0 if weight is None else weight.element_size(), dh_out is not None,
+    )
     dw_partial = None
     if weight is not None:
         dw_partial = torch.zeros(num_ctas * cfg.rows_per_cta, n, device=h.device, dtype=torch.float32)

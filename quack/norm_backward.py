@@ -1,0 +1,279 @@
+"""The persistent backward kernel of RMSNorm and LayerNorm (CuTe DSL, sm_90a).
+
+Per row, with x̂ = (x - mean) * rstd (mean = 0 for RMSNorm) and wdy = dy * w:
+    c1 = sum(x̂ * wdy),  c2 = sum(wdy) (LayerNorm only),
+    dx = (wdy - c2 / N - x̂ * c1 / N) * rstd  (+ dh_out, RMSNorm's residual path),
+    dw += dy * x̂,  db += dy  (LayerNorm), over the rows a CTA visits.
+
+The grid is persistent: each CTA (cluster) strides over row tiles and keeps
+its dw and db accumulators in fp32 registers, writing one partial row of each
+per thread row at the end (the op sums the partials).  Row tiles are staged
+in shared memory through a two-deep ``cp.async`` pipeline: while a tile is
+reduced (its c1 and c2 cross the cluster in one exchange) and written, the
+next one is already in flight, and registers hold one vector of a row at a
+time (a single stage where two do not fit: fp32 rows at N = 256K).  The weight slice, the same for every tile, is staged
+once.  Each thread only reads back what it copied itself, so the pipeline
+needs no CTA barrier.  Vectors too narrow for ``cp.async`` (odd N with 16-bit
+data) are staged with plain loads and stores instead: correct, not pipelined.
+
+Thread mapping, cluster sizes and the exchange: ``quack/rowwise.py``.  Ops:
+quack/rmsnorm.py, quack/layernorm.py.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, const_expr
+
+from quack import rowwise
+from quack.rowwise import RowConfig
+
+# Row tiles in shared memory at once: one being read, one in flight.
+MAX_STAGES = 2
+# Shared memory one CTA may use (bytes): the H200's 227 KB less the reduction
+# buffers and mbarriers.
+SMEM_BUDGET = 220 * 1024
+
+
+def _staged_bytes(cfg: RowConfig, stages: int, row_bytes: int, weight_bytes: int, inputs: int) -> int:
+    """Shared memory of ``stages`` tiles of ``inputs`` (M, N) tensors of
+    ``row_bytes`` per element, plus the weight slice."""
+    return cfg.rows_per_cta * cfg.cols_per_cta * (stages * inputs * row_bytes + weight_bytes)
+
+
+def pipeline_plan(cfg: RowConfig, row_bytes: int, weight_bytes: int, inputs: int) -> tuple[int, bool]:
+    """(stages of the tile pipeline, is the weight slice staged too): the
+    first of two stages with the weight, one with it, one without it that
+    fits the shared memory.  Without a staged weight (fp32 rows at N = 256K
+    with dh_out) it is read from L2 per vector."""
+    for stages, weight in ((MAX_STAGES, True), (1, True), (1, False)):
+        if _staged_bytes(cfg, stages, row_bytes, weight_bytes if weight else 0, inputs) <= SMEM_BUDGET:
+            return stages, weight
+    raise ValueError(f"a row slice of {cfg.cols_per_cta} columns does not fit the shared memory")
+
+
+def ctas_per_sm(cfg: RowConfig, row_bytes: int, weight_bytes: int, inputs: int) -> int:
+    """CTAs of the backward that fit on one SM: registers are capped at 128 per
+    thread (512 threads per SM), and the staged tiles (``pipeline_plan``)
+    must fit the shared memory.  The host sizes the persistent grid with it,
+    the kernel asks for it at launch: the two must agree."""
+    stages, weight = pipeline_plan(cfg, row_bytes, weight_bytes, inputs)
+    smem = _staged_bytes(cfg, stages, row_bytes, weight_bytes if weight else 0, inputs)
+    return max(1, min(512 // cfg.threads, SMEM_BUDGET // smem))
+
+
+def grid_clusters(cfg: RowConfig, m: int, sm_count: int, row_bytes: int, weight_bytes: int, has_dh_out: bool) -> int:
+    """Clusters of the persistent grid: as many as fit on the GPU at once
+    (``ctas_per_sm``), and no more than there are row tiles."""
+    per_sm = ctas_per_sm(cfg, row_bytes, weight_bytes, 3 if has_dh_out else 2)
+    return max(1, min(-(-m // cfg.rows_per_cta), sm_count * per_sm // cfg.cluster_n))
+
+
+class NormBackward:
+    """dx (and partial dw, db rows) of RMSNorm (``centred`` False) or LayerNorm."""
+
+    def __init__(self, cfg: RowConfig, centred: bool):
+        self.cfg = cfg
+        self.centred = centred
+
+    @cute.jit
+    def __call__(
+        self,
+        mX: cute.Tensor,
+        mW: Optional[cute.Tensor],
+        mDy: cute.Tensor,
+        mDhOut: Optional[cute.Tensor],
+        mMean: Optional[cute.Tensor],
+        mRstd: cute.Tensor,
+        mDx: cute.Tensor,
+        mDwPartial: Optional[cute.Tensor],
+        mDbPartial: Optional[cute.Tensor],
+        num_ctas: Int32,
+        stream: cuda.CUstream,
+    ):
+        cfg = self.cfg
+        copy = rowwise.make_row_copy(mX.element_type, cfg)
+        sizes = (
+            mX.element_type.width // 8, 0 if mW is None else mW.element_type.width // 8,
+            2 if mDhOut is None else 3,
+        )
+        per_sm = ctas_per_sm(cfg, *sizes)
+        self.stages, self.weight_staged = pipeline_plan(cfg, *sizes)
+        self.kernel(mX, mW, mDy, mDhOut, mMean, mRstd, mDx, mDwPartial, mDbPartial, copy).launch(
+            grid=[num_ctas, cfg.cluster_n, 1],
+            block=[cfg.threads, 1, 1],
+            cluster=[1, cfg.cluster_n, 1] if const_expr(cfg.cluster_n > 1) else None,
+            stream=stream,
+            min_blocks_per_mp=per_sm,
+            preferred_smem_carveout=100,
+        )
+
+    @cute.kernel
+    def kernel(
+        self,
+        mX: cute.Tensor,
+        mW: Optional[cute.Tensor],
+        mDy: cute.Tensor,
+        mDhOut: Optional[cute.Tensor],
+        mMean: Optional[cute.Tensor],
+        mRstd: cute.Tensor,
+        mDx: cute.Tensor,
+        mDwPartial: Optional[cute.Tensor],
+        mDbPartial: Optional[cute.Tensor],
+        copy: cute.TiledCopy,
+    ):
+        cfg = self.cfg
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        num_ctas, _, _ = cute.arch.grid_dim()
+        sums = 2 if self.centred else 1  # c1 (and c2) per exchange
+        # Consecutive tiles alternate between two sets of ``sums`` stages.
+        rank, smem, sRed, mbar = rowwise.start_row_cta(cfg, stages=2 * sums, exchange_sets=2)
+        m, n = mX.shape[0], mX.shape[1]
+        thr = copy.get_slice(tidx)
+        num_tiles = cute.ceil_div(m, cfg.rows_per_cta)
+
+        inputs = (mX, mDy) if mDhOut is None else (mX, mDy, mDhOut)
+        stages = self.stages
+        staged = [_stage_buffer(smem, cfg, thr, t.element_type, stages) for t in inputs]
+        tWcW, _ = rowwise.weight_slice(cfg, thr, None, m, n, rank)
+        # tWcW: coordinates of this thread's columns (row 0 of the tile)
+        valid = rowwise.column_mask(tWcW, n) if const_expr(not cfg.covers_n_exactly) else None
+        # The weight: a tensor staged in shared memory, a broadcast_param read
+        # from L2, or None.
+        weight = None
+        if const_expr(mW is not None):
+            w_pred = rowwise.copy_predicate(tWcW, None, n, not cfg.covers_n_exactly)
+            weight = rowwise.broadcast_param(cfg, thr, mW, rank, w_pred)
+            if const_expr(self.weight_staged):
+                sW = smem.allocate_tensor(mW.element_type, cute.make_ordered_layout(cfg.tiler, order=(1, 0)), byte_alignment=16)
+                weight = thr.partition_D(sW)
+                _stage(cfg, rowwise.broadcast_vector(cfg, thr, mW, rank), weight, w_pred)
+        dw = _zeroed_like(tWcW) if const_expr(mDwPartial is not None) else None
+        db = _zeroed_like(tWcW) if const_expr(mDbPartial is not None) else None
+
+        if const_expr(cfg.cluster_n > 1):
+            cute.arch.cluster_wait()
+        # Prologue: the first stages - 1 tiles in flight (one commit group
+        # each, empty past the last tile: its rows fail the predicate).
+        for ahead in cutlass.range_constexpr(stages - 1):
+            self._issue(cfg, thr, bidx + ahead * num_ctas, rank, inputs, staged, ahead)
+        for tile in cutlass.range(bidx, num_tiles, num_ctas):
+            turn_count = (tile - bidx) // num_ctas
+            self._issue(cfg, thr, tile + (stages - 1) * num_ctas, rank, inputs, staged, (turn_count + stages - 1) % stages)
+            _, _, tXcX, tXpX = rowwise.row_slices(cfg, thr, tile, rank, mX, mDy)
+            row = tXcX[0][0]
+            mean = Float32(0.0)
+            rstd = Float32(0.0)
+            if row < m:
+                rstd = mRstd[row]
+                if const_expr(self.centred):
+                    mean = mMean[row]
+            # All but the newest stages - 1 groups have landed: this tile has.
+            cute.arch.cp_async_wait_group(stages - 1)
+            stage = turn_count % stages
+            tiles = [t[None, None, None, stage] for t in staged]
+
+            parts = rowwise.slice_parts(cfg, True)
+            in_rows = row < m
+            c = (Float32(0.0), Float32(0.0))
+            for v in parts:
+                x_hat, dy, wdy = self._vectors(tiles, weight, valid, v, mean, rstd)
+                c = (
+                    c[0] + (x_hat * wdy).reduce(cute.ReductionOp.ADD, Float32(0.0), reduction_profile=0),
+                    c[1] + wdy.reduce(cute.ReductionOp.ADD, Float32(0.0), reduction_profile=0),
+                )
+            turn, turn_mbar, phase = rowwise.exchange_turn(tile, bidx, num_ctas, mbar)
+            buffers = tuple(sRed[None, None, sums * turn + i] for i in range(sums))
+            c = rowwise.row_merge(
+                c[:sums], buffers, rowwise.merge_sums, (Float32(0.0),) * sums,
+                cfg.threads_per_row, cfg.cluster_n, turn_mbar, phase,
+            )
+            c1 = c[0] * (1.0 / cfg.n)
+            c2 = c[1] * (1.0 / cfg.n) if const_expr(self.centred) else Float32(0.0)
+
+            (gDx,) = rowwise.row_tiles(cfg, tile, rank, mDx)
+            tXgDx = thr.partition_D(gDx)
+            tXrDx = cute.make_rmem_tensor_like(tXgDx)
+            atom_dx = rowwise.vector_atom(mDx.element_type, cfg)
+            for v in parts:
+                x_hat, dy, wdy = self._vectors(tiles, weight, valid, v, mean, rstd)
+                dx = (wdy - c2 - x_hat * c1) * rstd
+                if const_expr(mDhOut is not None):
+                    dx = dx + rowwise.slice_vector(tiles[2], None, v)
+                rowwise.part(tXrDx, v).store(dx.to(mDx.element_type))
+                cute.copy(atom_dx, rowwise.part(tXrDx, v), rowwise.part(tXgDx, v), pred=rowwise.part(tXpX, v))
+                # Here, not in the first pass (H200: 87 -> 83% of copy at N=16K).
+                # Rows past M hold stale staged values: they add nothing.
+                if in_rows:
+                    if const_expr(dw is not None):
+                        rowwise.part(dw, v).store(rowwise.part(dw, v).load() + dy * x_hat)
+                    if const_expr(db is not None):
+                        rowwise.part(db, v).store(rowwise.part(db, v).load() + dy)
+        cute.arch.cp_async_wait_group(0)
+
+        for acc, mPartial in ((dw, mDwPartial), (db, mDbPartial)):
+            if const_expr(acc is not None):
+                _store_partial(cfg, thr, bidx, rank, mPartial, acc, n)
+
+    def _issue(self, cfg: RowConfig, thr, tile, rank, inputs, staged, stage):
+        """Start copying row tile ``tile`` of every input into ``stage``; one commit group."""
+        pred = None
+        for t, buf in zip(inputs, staged):
+            (gT, gC) = rowwise.row_tiles(cfg, tile, rank, t, cute.make_identity_tensor(t.shape))
+            if pred is None:
+                pred = rowwise.copy_predicate(thr.partition_S(gC), t.shape[0], t.shape[1], not cfg.covers_n_exactly)
+            _stage(cfg, thr.partition_S(gT), buf[None, None, None, stage], pred)
+        cute.arch.cp_async_commit_group()
+
+    def _vectors(self, tiles, weight, valid, v, mean, rstd):
+        """(x̂, dy, dy * w) of part v of this thread's staged row, zero in padded columns."""
+        x_hat = (rowwise.slice_vector(tiles[0], valid, v) - mean) * rstd
+        dy = rowwise.slice_vector(tiles[1], valid, v)
+        if const_expr(weight is None):
+            return x_hat, dy, dy
+        if const_expr(self.weight_staged):
+            return x_hat, dy, dy * rowwise.slice_vector(weight, valid, v)
+        return x_hat, dy, dy * rowwise.load_param(weight, v)
+
+
+def _stage_buffer(smem, cfg: RowConfig, thr, dtype, stages: int) -> cute.Tensor:
+    """``stages`` shared (rows_per_cta, cols_per_cta) tiles of one input,
+    partitioned like this thread's slice: ((vec), 1, vectors, stage)."""
+    sT = smem.allocate_tensor(
+        dtype, cute.make_ordered_layout((*cfg.tiler, stages), order=(1, 0, 2)), byte_alignment=16
+    )
+    first = thr.partition_D(sT[None, None, 0])
+    stage_mode = cute.make_layout(stages, stride=cfg.rows_per_cta * cfg.cols_per_cta)
+    return cute.make_tensor(first.iterator, cute.append(first.layout, stage_mode))
+
+
+def _stage(cfg: RowConfig, src: cute.Tensor, dst: cute.Tensor, pred: cute.Tensor) -> None:
+    """Global -> shared for this thread's vectors: ``cp.async`` when a vector
+    is 4 to 16 bytes, else plain loads and stores (synchronous)."""
+    dtype = src.element_type
+    bits = min(128, cfg.vec * dtype.width)
+    if const_expr(bits >= 32):
+        atom = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(), dtype, num_bits_per_copy=bits)
+    else:
+        atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype, num_bits_per_copy=bits)
+    cute.copy(atom, src, dst, pred=pred)
+
+
+def _zeroed_like(coords: cute.Tensor) -> cute.Tensor:
+    """An fp32 register accumulator shaped like this thread's slice, zeroed."""
+    acc = cute.make_rmem_tensor(coords.shape, Float32)
+    acc.fill(0.0)
+    return acc
+
+
+def _store_partial(cfg: RowConfig, thr, bidx, rank, mPartial, acc, n) -> None:
+    """Write a CTA's accumulator to its partial rows (bidx * rows_per_cta +
+    row in CTA) of the (grid * rows_per_cta, N) fp32 buffer."""
+    gP, cP = rowwise.row_tiles(cfg, bidx, rank, mPartial, cute.make_identity_tensor(mPartial.shape))
+    pred = rowwise.copy_predicate(thr.partition_S(cP), mPartial.shape[0], n, not cfg.covers_n_exactly)
+    rowwise.store_row(rowwise.vector_atom(Float32, cfg), acc, thr.partition_D(gP), pred)

@@ -1,0 +1,52 @@
+"""The RMSNorm / LayerNorm backward's shared-memory plan (CPU only).
+
+A plan that overflows the SM's shared memory compiles fine and only fails at
+launch on the GPU (found there: fp32 rows at N = 256K), so every (N, dtype,
+weight, dh_out) combination the ops accept is checked here against the
+H200's per-CTA limit, with the reduction buffers the kernel adds.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from quack import rowwise
+from quack.norm_backward import SMEM_BUDGET, _staged_bytes, ctas_per_sm, grid_clusters, pipeline_plan
+
+# Shared memory one CTA may allocate on sm_90 (227 KB).
+SM90_MAX_SMEM_PER_CTA = 232448
+LENGTHS = [1, 7, 100, 1000, 4096, 4097, 16384, 65536, 65537, 131072, 262143, 262144]
+
+
+def _vec(n: int, row_bytes: int) -> int:
+    return rowwise.vector_width(n, row_bytes)
+
+
+@pytest.mark.parametrize("n", LENGTHS)
+@pytest.mark.parametrize("row_bytes", [2, 4])
+@pytest.mark.parametrize("weight_bytes", [0, 2, 4])
+@pytest.mark.parametrize("inputs", [2, 3])
+def test_plan_fits_shared_memory(n, row_bytes, weight_bytes, inputs):
+    cfg = rowwise.backward_config(n, _vec(n, row_bytes))
+    stages, weight_staged = pipeline_plan(cfg, row_bytes, weight_bytes, inputs)
+    staged = _staged_bytes(cfg, stages, row_bytes, weight_bytes if weight_staged else 0, inputs)
+    reduction = 4 * cfg.rows_per_cta * cfg.warps_per_row * cfg.cluster_n * 4  # c1, c2 x two sets, fp32
+    assert staged <= SMEM_BUDGET
+    assert staged + reduction + 64 <= SM90_MAX_SMEM_PER_CTA
+    per_sm = ctas_per_sm(cfg, row_bytes, weight_bytes, inputs)
+    assert per_sm * (staged + reduction) <= 228 * 1024 and per_sm * cfg.threads <= 2048
+
+
+def test_long_fp32_rows_drop_to_one_stage_then_unstaged_weight():
+    cfg = rowwise.backward_config(262144, 4)
+    assert pipeline_plan(cfg, 4, 4, 2) == (1, True)
+    assert pipeline_plan(cfg, 4, 4, 3) == (1, False)
+    assert pipeline_plan(rowwise.backward_config(65536, 8), 2, 2, 2) == (2, True)
+
+
+def test_grid_is_bounded_by_row_tiles_and_residency():
+    cfg = rowwise.backward_config(65536, 8)
+    assert grid_clusters(cfg, 3, 132, 2, 2, False) == 3
+    resident = 132 * ctas_per_sm(cfg, 2, 2, 2) // cfg.cluster_n
+    assert grid_clusters(cfg, 10**6, 132, 2, 2, False) == resident
+    assert grid_clusters(cfg, 0, 132, 2, 2, False) == 1

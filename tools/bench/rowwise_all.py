@@ -1,0 +1,70 @@
+"""Every row-wise kernel at the standard shapes, as a share of copy bandwidth (GPU only).
+
+    python tools/bench/rowwise_all.py [--dtype bfloat16]
+
+One table, quack's kernels only: the quick check after a change to the shared
+row-wise code (quack/rowwise.py, quack/norm_backward.py), where the family
+scripts (softmax.py, ...) also time torch eager and torch.compile.  Bytes as
+the family scripts count them; the copy is measured in the same process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+sys.path.insert(0, os.path.dirname(__file__))
+
+import torch  # noqa: E402
+
+from harness import STANDARD_SHAPES, bench_ms, copy_bandwidth  # noqa: E402
+
+# The modules, not the package's same-named functions.
+ce_mod, ln_mod, rms_mod, sm_mod = (
+    importlib.import_module(f"quack.{name}") for name in ("cross_entropy", "layernorm", "rmsnorm", "softmax")
+)
+
+
+def kernels(m: int, n: int, dtype: torch.dtype) -> dict:
+    """name -> (launcher, bytes moved) for one shape."""
+    x = torch.randn(m, n, device="cuda", dtype=dtype)
+    w = torch.randn(n, device="cuda", dtype=dtype)
+    dy = torch.randn_like(x)
+    target = torch.randint(0, n, (m,), device="cuda")
+    y = sm_mod.softmax_fwd(x)
+    _, _, rstd = rms_mod.rmsnorm_fwd(x, w)
+    _, mean, ln_rstd = ln_mod.layernorm_fwd(x, w, w)
+    two = 2 * x.numel() * x.element_size()  # one (M, N) tensor in, one out
+    return {
+        "softmax fwd": (lambda: sm_mod.softmax_fwd(x), two),
+        "softmax bwd": (lambda: sm_mod.softmax_bwd(y, dy), 3 * two // 2),
+        "cross-entropy fwd": (lambda: ce_mod.cross_entropy_fwd(x, target), two // 2),
+        "layernorm fwd": (lambda: ln_mod.layernorm_fwd(x, w, w, store_stats=False), two),
+        "layernorm bwd": (lambda: ln_mod.layernorm_bwd(x, w, dy, mean, ln_rstd, True), 3 * two // 2),
+        "rmsnorm fwd": (lambda: rms_mod.rmsnorm_fwd(x, w), two),
+        "rmsnorm bwd": (lambda: rms_mod.rmsnorm_bwd(x, w, dy, rstd), 3 * two // 2),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    dtype = getattr(torch, parser.parse_args().dtype)
+    copy_tbs = copy_bandwidth()
+    shares: dict[str, list[float]] = {}
+    for m, n in STANDARD_SHAPES:
+        for name, (fn, nbytes) in kernels(m, n, dtype).items():
+            tbs = nbytes / (bench_ms(fn) * 1e-3) / 1e12
+            shares.setdefault(name, []).append(100 * tbs / copy_tbs)
+        torch.cuda.empty_cache()
+    print(f"\n% of copy bandwidth ({copy_tbs:.2f} TB/s), {dtype}")
+    print(f"{'kernel':<20}" + "".join(f"{f'{m}x{n}':>14}" for m, n in STANDARD_SHAPES))
+    for name, values in shares.items():
+        print(f"{name:<20}" + "".join(f"{v:>13.0f}%" for v in values))
+
+
+if __name__ == "__main__":
+    main()
