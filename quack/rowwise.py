@@ -443,13 +443,15 @@ def row_merge(
     """Combine per-thread states (tuples of fp32, one buffer stage per
     element) over the threads and cluster peers of a row with one exchange:
     butterfly shuffles in the warp, then every warp's state through shared
-    memory (DSMEM in a cluster) behind one barrier (one cluster barrier).
+    memory (DSMEM in a cluster) behind one barrier (in a cluster, one wait
+    on the mbarrier ``mbar`` for ``phase``, as ``row_reduce`` describes).
 
     ``merge(a, b)`` combines two states of disjoint parts of the row (it must
     be associative and commutative); ``identity`` is the state of an empty
     part.  Several statistics of a row thus cost one synchronisation where
     one ``row_reduce`` each would cost one per statistic.  Buffer stages
-    follow ``row_reduce``'s rule: a loop alternates between two sets."""
+    follow ``row_reduce``'s rule: a loop alternates between two sets
+    (``exchange_turn``)."""
     width = const_expr(min(threads_per_row, 32))
     for i in cutlass.range_constexpr(int(math.log2(width))):
         values = merge(values, _shuffle_xor(values, width >> (i + 1)))
