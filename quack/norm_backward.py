@@ -11,10 +11,12 @@ per thread row at the end (the op sums the partials).  Row tiles are staged
 in shared memory through a two-deep ``cp.async`` pipeline: while a tile is
 reduced (its c1 and c2 cross the cluster in one exchange) and written, the
 next one is already in flight, and registers hold one vector of a row at a
-time (a single stage where two do not fit: fp32 rows at N = 256K).  The weight slice, the same for every tile, is staged
-once.  Each thread only reads back what it copied itself, so the pipeline
-needs no CTA barrier.  Vectors too narrow for ``cp.async`` (odd N with 16-bit
-data) are staged with plain loads and stores instead: correct, not pipelined.
+time (a single stage where two do not fit: fp32 rows at N = 256K;
+``pipeline_plan``).  The weight slice, the same for every tile, is staged
+once (or, where even that does not fit, read from L2).  Each thread only
+reads back what it copied itself, so the pipeline needs no CTA barrier.
+Vectors too narrow for ``cp.async`` (odd N with 16-bit data) are staged with
+plain loads and stores instead: correct, not pipelined.
 
 Thread mapping, cluster sizes and the exchange: ``quack/rowwise.py``.  Ops:
 quack/rmsnorm.py, quack/layernorm.py.
