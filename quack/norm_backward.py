@@ -11,9 +11,11 @@ per thread row at the end (the op sums the partials).  Row tiles are staged
 in shared memory through a two-deep ``cp.async`` pipeline: while a tile is
 reduced (its c1 and c2 cross the cluster in one exchange) and written, the
 next one is already in flight, and registers hold one vector of a row at a
-time (a single stage where two do not fit: fp32 rows at N = 256K;
-``pipeline_plan``).  The weight slice, the same for every tile, is staged
-once (or, where even that does not fit, read from L2).  Each thread only
+time.  The weight slice, the same for every tile, is staged once.  Where two
+stages and the weight do not fit the shared memory (``pipeline_plan``: fp32
+rows from N = 164K, 16K with dh_out; 16-bit rows from 197K with dh_out) a
+single stage runs, unpipelined, and where even that does not fit the weight
+is read from L2 instead.  Each thread only
 reads back what it copied itself, so the pipeline needs no CTA barrier.
 Vectors too narrow for ``cp.async`` (odd N with 16-bit data) are staged with
 plain loads and stores instead: correct, not pipelined.
@@ -51,7 +53,8 @@ def pipeline_plan(cfg: RowConfig, row_bytes: int, weight_bytes: int, inputs: int
     """(stages of the tile pipeline, is the weight slice staged too): the
     first of two stages with the weight, one with it, one without it that
     fits the shared memory.  Without a staged weight (fp32 rows at N = 256K
-    with dh_out) it is read from L2 per vector."""
+    with dh_out) it is read from L2 per vector.  Two stages with an L2 weight
+    would keep the pipeline for fp32 rows; not measured yet."""
     for stages, weight in ((MAX_STAGES, True), (1, True), (1, False)):
         if _staged_bytes(cfg, stages, row_bytes, weight_bytes if weight else 0, inputs) <= SMEM_BUDGET:
             return stages, weight
@@ -142,8 +145,8 @@ class NormBackward:
         inputs = (mX, mDy) if mDhOut is None else (mX, mDy, mDhOut)
         stages = self.stages
         staged = [_stage_buffer(smem, cfg, thr, t.element_type, stages) for t in inputs]
-        tWcW, _ = rowwise.weight_slice(cfg, thr, None, m, n, rank)
-        # tWcW: coordinates of this thread's columns (row 0 of the tile)
+        tWcW, _ = rowwise.tile_coordinates(cfg, thr, 0, rank, m, n)
+        # tWcW: coordinates of this thread's columns (in the first row tile)
         valid = rowwise.column_mask(tWcW, n) if const_expr(not cfg.covers_n_exactly) else None
         # The weight: a tensor staged in shared memory, a broadcast_param read
         # from L2, or None.
@@ -167,7 +170,7 @@ class NormBackward:
         for tile in cutlass.range(bidx, num_tiles, num_ctas):
             turn_count = (tile - bidx) // num_ctas
             self._issue(cfg, thr, tile + (stages - 1) * num_ctas, rank, inputs, staged, (turn_count + stages - 1) % stages)
-            _, _, tXcX, tXpX = rowwise.row_slices(cfg, thr, tile, rank, mX, mDy)
+            tXcX, tXpX = rowwise.tile_coordinates(cfg, thr, tile, rank, m, n)
             row = tXcX[0][0]
             mean = Float32(0.0)
             rstd = Float32(0.0)
@@ -224,11 +227,9 @@ class NormBackward:
 
     def _issue(self, cfg: RowConfig, thr, tile, rank, inputs, staged, stage):
         """Start copying row tile ``tile`` of every input into ``stage``; one commit group."""
-        pred = None
+        _, pred = rowwise.tile_coordinates(cfg, thr, tile, rank, inputs[0].shape[0], inputs[0].shape[1])
         for t, buf in zip(inputs, staged):
-            (gT, gC) = rowwise.row_tiles(cfg, tile, rank, t, cute.make_identity_tensor(t.shape))
-            if pred is None:
-                pred = rowwise.copy_predicate(thr.partition_S(gC), t.shape[0], t.shape[1], not cfg.covers_n_exactly)
+            (gT,) = rowwise.row_tiles(cfg, tile, rank, t)
             _stage(cfg, thr.partition_S(gT), buf[None, None, None, stage], pred)
         cute.arch.cp_async_commit_group()
 

@@ -8,12 +8,12 @@ Every row-wise kernel maps a (M, N) row-major tensor the same way:
 * inside a CTA, ``threads_per_row`` consecutive threads share a row and each
   moves ``vec`` contiguous elements per copy (16 bytes when N allows), so a
   warp reads contiguous 512-byte runs;
-* a thread holds at most ``MAX_VALUES_PER_THREAD`` values of a row (which
-  decides the cluster size), so the data is read from global memory exactly
-  once: in registers when the row fits one CTA, and, when a cluster splits
-  it, staged in shared memory with ``cp.async`` (``stages_row``) and read
-  back a vector at a time, so a CTA needs few registers and four fit per SM
-  to cover each other's exchanges.
+* a thread holds a bounded number of values of a row (64 in a forward, 32
+  in a backward: the budget decides the cluster size), so the data is read
+  from global memory exactly once: in registers when the row fits one CTA,
+  and, when a cluster splits it, staged in shared memory with ``cp.async``
+  (``stages_row``) and read back a vector at a time, so a CTA needs few
+  registers and several fit per SM to cover each other's exchanges.
 
 Row reductions go lane -> warp (butterfly shuffles) -> CTA (one shared-memory
 slot per warp) -> cluster (each warp writes its partial into every peer CTA's
@@ -244,10 +244,11 @@ def load_row_filled(atom: cute.CopyAtom, src: cute.Tensor, dst: cute.Tensor, pre
 
 
 def stages_row(cfg: RowConfig, *dtypes) -> bool:
-    """Does a forward stage its rows (of these dtypes) in shared memory
-    (``stage_row``)?  Rows split over a cluster do, when every vector is a
+    """Can a kernel stage its rows (of these dtypes) in shared memory
+    (``stage_row``)?  Rows split over a cluster can, when every vector is a
     legal ``cp.async`` (4 to 16 bytes: not the element copies of odd-length
-    16-bit rows)."""
+    16-bit rows).  The forwards stage whenever they can; the softmax backward
+    only at 512-thread configurations."""
     return cfg.cluster_n > 1 and all(cfg.vec * dtype.width >= 32 for dtype in dtypes)
 
 
@@ -593,19 +594,6 @@ def broadcast_vector(cfg: RowConfig, thr, mV: cute.Tensor, rank):
     return thr.partition_S(gV2)
 
 
-def weight_slice(cfg: RowConfig, thr, mW, m, n, rank):
-    """A persistent backward's weight slice: the same columns for every row
-    tile, re-read from L2 each tile (``times_weight``) rather than held in
-    registers across the loop, which would leave too few for x, dy and the
-    accumulators.  Returns (coordinates of the slice, then the tensor,
-    predicate and copy atom of the weight, or None without one).  A plain
-    tuple, since an object used inside a run-time loop would be loop-carried."""
-    cW = cute.local_tile(cute.make_identity_tensor((m, n)), cfg.tiler, (0, rank))
-    coords = thr.partition_S(cW)
-    pred = copy_predicate(coords, None, n, not cfg.covers_n_exactly) if mW is not None else None
-    return coords, broadcast_param(cfg, thr, mW, rank, pred)
-
-
 def broadcast_param(cfg: RowConfig, thr, mV, rank, pred):
     """An (N,) parameter (a weight, a bias) as kernels read it: (this
     thread's slice, its copy predicate, its copy atom), or None without one."""
@@ -622,12 +610,6 @@ def load_param(param, v=None):
     regs = cute.make_rmem_tensor_like(gmem)
     load_row(atom, gmem, regs, pred)
     return regs.load().to(Float32)
-
-
-def times_weight(weight, values):
-    """``values`` (fp32, laid out like this thread's slice) times the weight
-    (``broadcast_param``); unchanged without one."""
-    return values if weight is None else values * load_param(weight)
 
 
 # Vectors of a staged slice whose parameters (weight, bias) a forward's output
@@ -658,15 +640,13 @@ def scale_shift(values, weight, bias):
     return values
 
 
-def row_slices(cfg: RowConfig, thr, tile, rank, mX, mDy):
-    """This thread's x and dy slices of one row tile, their coordinates and
-    copy predicate (rows past M, columns past N masked): what a backward
-    loads per tile."""
-    m, n = mX.shape[0], mX.shape[1]
-    gX, gDy, gC = row_tiles(cfg, tile, rank, mX, mDy, cute.make_identity_tensor((m, n)))
-    tXcX = thr.partition_S(gC)
-    pred = copy_predicate(tXcX, m, n, not cfg.covers_n_exactly)
-    return thr.partition_S(gX), thr.partition_S(gDy), tXcX, pred
+def tile_coordinates(cfg: RowConfig, thr, tile, rank, m, n):
+    """This thread's (row, column) coordinates in row tile ``tile`` (cluster
+    rank ``rank``'s columns) and its copy predicate (rows past M, columns
+    past N masked)."""
+    (gC,) = row_tiles(cfg, tile, rank, cute.make_identity_tensor((m, n)))
+    coords = thr.partition_S(gC)
+    return coords, copy_predicate(coords, m, n, not cfg.covers_n_exactly)
 
 
 def column_mask(tXcX: cute.Tensor, n) -> cute.Tensor:
