@@ -256,15 +256,8 @@ def _stage_buffer(smem, cfg: RowConfig, thr, dtype, stages: int) -> cute.Tensor:
 
 
 def _stage(cfg: RowConfig, src: cute.Tensor, dst: cute.Tensor, pred: cute.Tensor) -> None:
-    """Global -> shared for this thread's vectors: ``cp.async`` when a vector
-    is 4 to 16 bytes, else plain loads and stores (synchronous)."""
-    dtype = src.element_type
-    bits = min(128, cfg.vec * dtype.width)
-    if const_expr(bits >= 32):
-        atom = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(), dtype, num_bits_per_copy=bits)
-    else:
-        atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype, num_bits_per_copy=bits)
-    cute.copy(atom, src, dst, pred=pred)
+    """Global -> shared for this thread's vectors (``rowwise.stage_atom``)."""
+    cute.copy(rowwise.stage_atom(src.element_type, cfg), src, dst, pred=pred)
 
 
 def _zeroed_like(coords: cute.Tensor) -> cute.Tensor:

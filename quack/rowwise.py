@@ -252,6 +252,16 @@ def stages_row(cfg: RowConfig, *dtypes) -> bool:
     return cfg.cluster_n > 1 and all(cfg.vec * dtype.width >= 32 for dtype in dtypes)
 
 
+def stage_atom(dtype, cfg: RowConfig) -> cute.CopyAtom:
+    """Global -> shared copy atom for one vector: ``cp.async`` when the
+    vector is 4 to 16 bytes (``stages_row``), else plain loads and stores
+    (synchronous; for the element copies of odd-length 16-bit rows)."""
+    bits = 8 * _copy_bytes(dtype, cfg.vec)
+    if bits >= 32:
+        return cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(), dtype, num_bits_per_copy=bits)
+    return cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype, num_bits_per_copy=bits)
+
+
 def stage_row(smem, cfg: RowConfig, thr, tXgX: cute.Tensor, tXpX: cute.Tensor) -> cute.Tensor:
     """Start copying this thread's slice of the CTA's tile into shared memory
     with ``cp.async``: no registers are held while the loads fly, so a long
@@ -262,10 +272,7 @@ def stage_row(smem, cfg: RowConfig, thr, tXgX: cute.Tensor, tXpX: cute.Tensor) -
     dtype = tXgX.element_type
     sX = smem.allocate_tensor(dtype, cute.make_ordered_layout(cfg.tiler, order=(1, 0)), byte_alignment=16)
     tXsX = thr.partition_D(sX)
-    atom = cute.make_copy_atom(
-        cute.nvgpu.cpasync.CopyG2SOp(), dtype, num_bits_per_copy=8 * _copy_bytes(dtype, cfg.vec)
-    )
-    cute.copy(atom, tXgX, tXsX, pred=tXpX)
+    cute.copy(stage_atom(dtype, cfg), tXgX, tXsX, pred=tXpX)
     cute.arch.cp_async_commit_group()
     return tXsX
 
@@ -475,9 +482,7 @@ def _shuffle_xor(values: tuple, offset: int) -> tuple:
 def merge_max_sum(a, b):
     """(max, sum of exp(x - max)) of two disjoint parts of a row, as one pair."""
     m = cute.arch.fmax(a[0], b[0])
-    return m, a[1] * cute.math.exp2((a[0] - m) * LOG2_E, fastmath=True) + b[1] * cute.math.exp2(
-        (b[0] - m) * LOG2_E, fastmath=True
-    )
+    return m, a[1] * exp_shifted(a[0], m) + b[1] * exp_shifted(b[0], m)
 
 
 def merge_sums(a, b):
@@ -510,7 +515,7 @@ def row_max_and_exp(
         (m, s), (max_buffer, sum_buffer), merge_max_sum, (Float32(-FLT_MAX), Float32(0.0)),
         threads_per_row, cluster_n, mbar,
     )
-    return row_max, row_sum, p * cute.math.exp2((m - row_max) * LOG2_E, fastmath=True)
+    return row_max, row_sum, p * exp_shifted(m, row_max)
 
 
 def row_tiles(cfg: RowConfig, tile_m, tile_n, *tensors):

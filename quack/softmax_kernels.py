@@ -29,7 +29,6 @@ from cutlass import Float32, const_expr
 from quack import rowwise
 from quack.rowwise import RowConfig
 
-LOG2_E = math.log2(math.e)
 
 
 class SoftmaxForward:
