@@ -36,11 +36,12 @@ import cutlass.cute as cute
 import torch
 from cutlass import Int32
 
+from quack import occupancy
 from quack import torch_interop as ti
 from quack.cache import compile_options, jit_cache
 from quack.compile_only import is_compile_only
 from quack.cute_op import cute_op
-from quack.gemm_kernels import HopperGemm
+from quack.gemm_kernels import HopperGemm, cta_threads
 
 INPUT_DTYPES = (torch.bfloat16, torch.float16)
 _ALIGN_ELEMENTS = 8  # 16 bytes of a 16-bit dtype
@@ -117,7 +118,10 @@ def launch_gemm(a, b3, out, cu_seqlens, b_n_major: bool, cfg: GemmConfig) -> Non
     ``gemm_config``'s; tools/bench/gemm_configs.py compares others)."""
     kernel = compile_gemm(ti.dtype_name(a.dtype), ti.dtype_name(out.dtype), b_n_major, cu_seqlens is not None,
                           tuple(cfg))
-    max_clusters = ti.sm_count(a.device.index or 0) // (cfg.cluster_m * cfg.cluster_n)
+    # One CTA per SM (the tiles' shared memory).
+    max_clusters = occupancy.resident_clusters(
+        a.device.index or 0, cta_threads(cfg.tile_m), cfg.cluster_m * cfg.cluster_n, ctas_per_sm=1
+    )
     kernel(a, b3, out, cu_seqlens, max_clusters, ti.current_stream(a.device))
 
 

@@ -45,6 +45,11 @@ BARRIER_BYTES = 1024  # mbarriers, with the padding to the operands' 1024-byte a
 EPILOGUE_BARRIER_ID = 1
 
 
+def cta_threads(tile_m: int) -> int:
+    """Threads of a CTA: the producer warpgroup and one consumer per 64 rows."""
+    return THREADS_PER_WARPGROUP * (1 + tile_m // 64)
+
+
 class HopperGemm:
     """One compiled configuration: tile (``tile_m`` x ``tile_n`` x 64), cluster
     (``cluster_m``, ``cluster_n``), raster band width, dense or varlen.  CTAs of a
@@ -63,7 +68,7 @@ class HopperGemm:
         self.band = band
         self.b_n_major = b_n_major
         self.consumer_warpgroups = tile_m // 64
-        self.threads = THREADS_PER_WARPGROUP * (1 + self.consumer_warpgroups)
+        self.threads = cta_threads(tile_m)
         self.consumer_threads = THREADS_PER_WARPGROUP * self.consumer_warpgroups
         self.epi_tile = (tile_m, EPILOGUE_N)
 

@@ -118,8 +118,8 @@ def _layernorm_bwd(
     # The partial buffers are allocated 16-byte aligned: they never narrow the vectors.
     vec = ti.vector_width(n, x, weight, dy, dx)
     rows_per_cta = backward_config(n, vec).rows_per_cta
-    ti.check_partial_rows("dw_partial", dw_partial, num_ctas, rows_per_cta)
-    ti.check_partial_rows("db_partial", db_partial, num_ctas, rows_per_cta)
+    ti.fit_partial_rows("dw_partial", dw_partial, num_ctas, rows_per_cta)
+    ti.fit_partial_rows("db_partial", db_partial, num_ctas, rows_per_cta)
     kernel = compile_layernorm_bwd(ti.dtype_name(x.dtype), _name(weight), db_partial is not None, n, vec)
     kernel(x, weight, dy, None, mean, rstd, dx, dw_partial, db_partial, num_ctas, ti.current_stream(x.device))
 
@@ -168,12 +168,12 @@ def layernorm_bwd(x, weight, dy, mean, rstd, has_bias=False):
     dx2 = ti.as_rows(dx, n)
     cfg = backward_config(n, ti.vector_width(n, x2, weight, dy2, dx2))
     num_ctas = grid_clusters(
-        cfg, m, ti.sm_count(x.device.index or 0), x.element_size(),
+        cfg, m, x.device.index or 0, x.element_size(),
         0 if weight is None else weight.element_size(), False,
     )
 
     def partial():
-        return torch.zeros(num_ctas * cfg.rows_per_cta, n, device=x.device, dtype=torch.float32)
+        return ti.partial_rows(num_ctas * cfg.rows_per_cta, n, x.device, kernel_runs=m > 0)
 
     dw_partial = partial() if weight is not None else None
     db_partial = partial() if has_bias else None

@@ -33,7 +33,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
-from quack import rowwise
+from quack import occupancy, rowwise
 from quack.rowwise import RowConfig
 
 # Row tiles in shared memory at once: one being read, one in flight.
@@ -71,11 +71,13 @@ def ctas_per_sm(cfg: RowConfig, row_bytes: int, weight_bytes: int, inputs: int) 
     return max(1, min(512 // cfg.threads, SMEM_BUDGET // smem))
 
 
-def grid_clusters(cfg: RowConfig, m: int, sm_count: int, row_bytes: int, weight_bytes: int, has_dh_out: bool) -> int:
-    """Clusters of the persistent grid: as many as fit on the GPU at once
-    (``ctas_per_sm``), and no more than there are row tiles."""
+def grid_clusters(cfg: RowConfig, m: int, device_index: int, row_bytes: int, weight_bytes: int, has_dh_out: bool) -> int:
+    """Clusters of the persistent grid: as many as run on the GPU at once
+    (``ctas_per_sm``, and whole clusters per GPC: ``quack/occupancy.py``), and
+    no more than there are row tiles."""
     per_sm = ctas_per_sm(cfg, row_bytes, weight_bytes, 3 if has_dh_out else 2)
-    return max(1, min(-(-m // cfg.rows_per_cta), sm_count * per_sm // cfg.cluster_n))
+    resident = occupancy.resident_clusters(device_index, cfg.threads, cfg.cluster_n, per_sm)
+    return max(1, min(-(-m // cfg.rows_per_cta), resident))
 
 
 class NormBackward:

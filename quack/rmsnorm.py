@@ -109,7 +109,7 @@ def _rmsnorm_bwd(
     n = x.shape[1]
     # dw_partial is allocated 16-byte aligned: it never narrows the vectors.
     vec = ti.vector_width(n, x, weight, dy, dh_out, dx)
-    ti.check_partial_rows("dw_partial", dw_partial, num_ctas, backward_config(n, vec).rows_per_cta)
+    ti.fit_partial_rows("dw_partial", dw_partial, num_ctas, backward_config(n, vec).rows_per_cta)
     kernel = compile_rmsnorm_bwd(
         ti.dtype_name(x.dtype),
         ti.dtype_name(weight.dtype) if weight is not None else None,
@@ -170,12 +170,12 @@ def rmsnorm_bwd(h, weight, dy, rstd, dh_out=None):
     dx2 = ti.as_rows(dx, n)
     cfg = backward_config(n, ti.vector_width(n, h2, weight, dy2, dh2, dx2))
     num_ctas = grid_clusters(
-        cfg, m, ti.sm_count(h.device.index or 0), h.element_size(),
+        cfg, m, h.device.index or 0, h.element_size(),
         0 if weight is None else weight.element_size(), dh_out is not None,
     )
     dw_partial = None
     if weight is not None:
-        dw_partial = torch.zeros(num_ctas * cfg.rows_per_cta, n, device=h.device, dtype=torch.float32)
+        dw_partial = ti.partial_rows(num_ctas * cfg.rows_per_cta, n, h.device, kernel_runs=m > 0)
     if m > 0:
         _rmsnorm_bwd(h2, weight, dy2, dh2, rstd, dx2, dw_partial, num_ctas)
     dw = dw_partial.sum(0).to(weight.dtype) if weight is not None else None

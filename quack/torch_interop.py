@@ -56,7 +56,7 @@ def address(t: torch.Tensor) -> int:
     While torch.compile traces, neither ``data_ptr`` nor ``storage_offset``
     can be traced: tensors count as aligned there.  Kernels that size buffers
     from this check them again in the op, on real tensors
-    (``check_partial_rows``)."""
+    (``fit_partial_rows``)."""
     if torch.compiler.is_compiling():
         return 0  # assumed aligned; see above
     if isinstance(t, _FakeTensor):
@@ -116,12 +116,27 @@ def check_contiguous(name: str, t: torch.Tensor) -> None:
         raise ValueError(f"{name} must be contiguous (got strides {tuple(t.stride())})")
 
 
-def check_partial_rows(name: str, partial: torch.Tensor | None, num_ctas: int, rows_per_cta: int) -> None:
-    """A persistent backward writes ``rows_per_cta`` partial rows per CTA; the
-    buffer was sized outside the op (possibly while torch.compile traced, from
-    storage offsets), so check it against the launch's real configuration."""
-    if partial is not None and partial.shape[0] < num_ctas * rows_per_cta:
+def partial_rows(rows: int, n: int, device: torch.device, kernel_runs: bool) -> torch.Tensor:
+    """The fp32 (rows, N) buffer of a persistent backward's partial sums: left
+    uninitialised when the kernel runs (it writes every row it is given,
+    ``fit_partial_rows``), zeros when it does not (M = 0)."""
+    allocate = torch.empty if kernel_runs else torch.zeros
+    return allocate(rows, n, device=device, dtype=torch.float32)
+
+
+def fit_partial_rows(name: str, partial: torch.Tensor | None, num_ctas: int, rows_per_cta: int) -> None:
+    """A persistent backward writes ``rows_per_cta`` partial rows per CTA into
+    a buffer allocated uninitialised and summed outside the op.  It was sized
+    outside the op (possibly while torch.compile traced, from storage
+    offsets), so check it against the launch's real configuration, and zero
+    any rows past the launch's so that the sum stays exact."""
+    if partial is None:
+        return
+    written = num_ctas * rows_per_cta
+    if partial.shape[0] < written:
         raise ValueError(
-            f"{name} has {partial.shape[0]} rows; this launch writes {num_ctas * rows_per_cta} "
+            f"{name} has {partial.shape[0]} rows; this launch writes {written} "
             "(an input's base address is less aligned than its storage offset suggests)"
         )
+    if partial.shape[0] > written:
+        partial[written:].zero_()

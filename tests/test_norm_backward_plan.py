@@ -46,7 +46,7 @@ def test_long_fp32_rows_drop_to_one_stage_then_unstaged_weight():
 
 def test_grid_is_bounded_by_row_tiles_and_residency():
     cfg = rowwise.backward_config(65536, 8)
-    assert grid_clusters(cfg, 3, 132, 2, 2, False) == 3
+    assert grid_clusters(cfg, 3, 0, 2, 2, False) == 3
     resident = 132 * ctas_per_sm(cfg, 2, 2, 2) // cfg.cluster_n
-    assert grid_clusters(cfg, 10**6, 132, 2, 2, False) == resident
-    assert grid_clusters(cfg, 0, 132, 2, 2, False) == 1
+    assert grid_clusters(cfg, 10**6, 0, 2, 2, False) == resident
+    assert grid_clusters(cfg, 0, 0, 2, 2, False) == 1
