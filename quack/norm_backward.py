@@ -12,11 +12,12 @@ in shared memory through a two-deep ``cp.async`` pipeline: while a tile is
 reduced (its c1 and c2 cross the cluster in one exchange) and written, the
 next one is already in flight, and registers hold one vector of a row at a
 time.  The weight slice, the same for every tile, is staged once.  Where two
-stages and the weight do not fit the shared memory (``pipeline_plan``: fp32
-rows from N = 164K, 16K with dh_out; 16-bit rows from 197K with dh_out) a
-single stage runs, unpipelined, and where even that does not fit the weight
-is read from L2 instead.  Each thread only
-reads back what it copied itself, so the pipeline needs no CTA barrier.
+stages and the weight do not fit the shared memory (``pipeline_plan``) a
+16-bit weight moves to registers (16-bit rows from N = 197K with dh_out);
+otherwise (fp32 rows from N = 164K, 16K with dh_out) a single stage runs,
+unpipelined, and where even that does not fit the weight is read from L2.
+Each thread only reads back what it copied itself, so the pipeline needs no
+CTA barrier.
 Vectors too narrow for ``cp.async`` (odd N with 16-bit data) are staged with
 plain loads and stores instead: correct, not pipelined.
 
@@ -36,39 +37,52 @@ from cutlass import Float32, Int32, const_expr
 from quack import occupancy, rowwise
 from quack.rowwise import RowConfig
 
-# Row tiles in shared memory at once: one being read, one in flight.
-MAX_STAGES = 2
+# Where the backward keeps its weight slice, the same for every row tile:
+# staged in shared memory, held in registers (16-bit weights: 16 registers at
+# 32 values per thread), or read from L2 per vector (slowest: each read is a
+# round trip in the middle of a pass).
+SMEM, REGISTERS, L2 = "smem", "registers", "l2"
+# Bytes of weight a thread may hold in registers.
+REGISTER_WEIGHT_BYTES = 64
 # Shared memory one CTA may use (bytes): the H200's 227 KB less the reduction
 # buffers and mbarriers.
 SMEM_BUDGET = 220 * 1024
+# Threads of this kernel on one SM: registers are capped at 128 per thread.
+THREADS_PER_SM = 512
 
 
 def _staged_bytes(cfg: RowConfig, stages: int, row_bytes: int, weight_bytes: int, inputs: int) -> int:
     """Shared memory of ``stages`` tiles of ``inputs`` (M, N) tensors of
-    ``row_bytes`` per element, plus the weight slice."""
+    ``row_bytes`` per element, plus a staged weight slice (``weight_bytes``
+    per element, 0 for none)."""
     return cfg.rows_per_cta * cfg.cols_per_cta * (stages * inputs * row_bytes + weight_bytes)
 
 
-def pipeline_plan(cfg: RowConfig, row_bytes: int, weight_bytes: int, inputs: int) -> tuple[int, bool]:
-    """(stages of the tile pipeline, is the weight slice staged too): the
-    first of two stages with the weight, one with it, one without it that
-    fits the shared memory.  Without a staged weight (fp32 rows at N = 256K
-    with dh_out) it is read from L2 per vector.  Two stages with an L2 weight
-    would keep the pipeline for fp32 rows; not measured yet."""
-    for stages, weight in ((MAX_STAGES, True), (1, True), (1, False)):
-        if _staged_bytes(cfg, stages, row_bytes, weight_bytes if weight else 0, inputs) <= SMEM_BUDGET:
-            return stages, weight
+def pipeline_plan(cfg: RowConfig, row_bytes: int, weight_bytes: int, inputs: int) -> tuple[int, str]:
+    """(stages of the tile pipeline, where the weight slice lives): the first
+    of these that fits the shared memory: two stages with the weight staged,
+    then held in registers (16-bit weights, ``REGISTER_WEIGHT_BYTES``: with
+    dh_out at N = 256K, 93 -> 98-101% of copy on the H200 against one
+    stage); one stage (unpipelined) with the weight staged, then read from L2.
+    Measured and not kept: a third stage with the weight in registers where
+    two leave one CTA per SM (LayerNorm N = 256K 71 -> 54%)."""
+    in_registers = cfg.vecs_per_thread * cfg.vec * weight_bytes <= REGISTER_WEIGHT_BYTES
+    for stages, place in ((2, SMEM), (2, REGISTERS), (1, SMEM), (1, L2)):
+        if place == REGISTERS and not in_registers:
+            continue
+        if _staged_bytes(cfg, stages, row_bytes, weight_bytes if place == SMEM else 0, inputs) <= SMEM_BUDGET:
+            return stages, place
     raise ValueError(f"a row slice of {cfg.cols_per_cta} columns does not fit the shared memory")
 
 
 def ctas_per_sm(cfg: RowConfig, row_bytes: int, weight_bytes: int, inputs: int) -> int:
     """CTAs of the backward that fit on one SM: registers are capped at 128 per
-    thread (512 threads per SM), and the staged tiles (``pipeline_plan``)
+    thread (``THREADS_PER_SM``), and the staged tiles (``pipeline_plan``)
     must fit the shared memory.  The host sizes the persistent grid with it,
     the kernel asks for it at launch: the two must agree."""
-    stages, weight = pipeline_plan(cfg, row_bytes, weight_bytes, inputs)
-    smem = _staged_bytes(cfg, stages, row_bytes, weight_bytes if weight else 0, inputs)
-    return max(1, min(512 // cfg.threads, SMEM_BUDGET // smem))
+    stages, place = pipeline_plan(cfg, row_bytes, weight_bytes, inputs)
+    smem = _staged_bytes(cfg, stages, row_bytes, weight_bytes if place == SMEM else 0, inputs)
+    return max(1, min(THREADS_PER_SM // cfg.threads, SMEM_BUDGET // smem))
 
 
 def grid_clusters(cfg: RowConfig, m: int, device_index: int, row_bytes: int, weight_bytes: int, has_dh_out: bool) -> int:
@@ -109,7 +123,7 @@ class NormBackward:
             2 if mDhOut is None else 3,
         )
         per_sm = ctas_per_sm(cfg, *sizes)
-        self.stages, self.weight_staged = pipeline_plan(cfg, *sizes)
+        self.stages, self.weight_place = pipeline_plan(cfg, *sizes)
         self.kernel(mX, mW, mDy, mDhOut, mMean, mRstd, mDx, mDwPartial, mDbPartial, copy).launch(
             grid=[num_ctas, cfg.cluster_n, 1],
             block=[cfg.threads, 1, 1],
@@ -150,16 +164,20 @@ class NormBackward:
         tWcW, _ = rowwise.tile_coordinates(cfg, thr, 0, rank, m, n)
         # tWcW: coordinates of this thread's columns (in the first row tile)
         valid = rowwise.column_mask(tWcW, n) if const_expr(not cfg.covers_n_exactly) else None
-        # The weight: a tensor staged in shared memory, a broadcast_param read
-        # from L2, or None.
+        # The weight: a tensor staged in shared memory or held in registers,
+        # a broadcast_param read from L2, or None.
         weight = None
         if const_expr(mW is not None):
             w_pred = rowwise.copy_predicate(tWcW, None, n, not cfg.covers_n_exactly)
             weight = rowwise.broadcast_param(cfg, thr, mW, rank, w_pred)
-            if const_expr(self.weight_staged):
+            if const_expr(self.weight_place == SMEM):
                 sW = smem.allocate_tensor(mW.element_type, cute.make_ordered_layout(cfg.tiler, order=(1, 0)), byte_alignment=16)
                 weight = thr.partition_D(sW)
                 _stage(cfg, rowwise.broadcast_vector(cfg, thr, mW, rank), weight, w_pred)
+            elif const_expr(self.weight_place == REGISTERS):
+                gW = rowwise.broadcast_vector(cfg, thr, mW, rank)
+                weight = cute.make_rmem_tensor_like(gW)
+                rowwise.load_row(rowwise.vector_atom(mW.element_type, cfg), gW, weight, w_pred)
         dw = _zeroed_like(tWcW) if const_expr(mDwPartial is not None) else None
         db = _zeroed_like(tWcW) if const_expr(mDbPartial is not None) else None
 
@@ -241,9 +259,9 @@ class NormBackward:
         dy = rowwise.slice_vector(tiles[1], valid, v)
         if const_expr(weight is None):
             return x_hat, dy, dy
-        if const_expr(self.weight_staged):
-            return x_hat, dy, dy * rowwise.slice_vector(weight, valid, v)
-        return x_hat, dy, dy * rowwise.load_param(weight, v)
+        if const_expr(self.weight_place == L2):
+            return x_hat, dy, dy * rowwise.load_param(weight, v)
+        return x_hat, dy, dy * rowwise.slice_vector(weight, valid, v)
 
 
 def _stage_buffer(smem, cfg: RowConfig, thr, dtype, stages: int) -> cute.Tensor:

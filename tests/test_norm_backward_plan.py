@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from quack import rowwise
-from quack.norm_backward import SMEM_BUDGET, _staged_bytes, ctas_per_sm, grid_clusters, pipeline_plan
+from quack.norm_backward import L2, REGISTERS, SMEM, SMEM_BUDGET, _staged_bytes, ctas_per_sm, grid_clusters, pipeline_plan
 
 # Shared memory one CTA may allocate on sm_90 (227 KB).
 SM90_MAX_SMEM_PER_CTA = 232448
@@ -28,8 +28,8 @@ def _vec(n: int, row_bytes: int) -> int:
 @pytest.mark.parametrize("inputs", [2, 3])
 def test_plan_fits_shared_memory(n, row_bytes, weight_bytes, inputs):
     cfg = rowwise.backward_config(n, _vec(n, row_bytes))
-    stages, weight_staged = pipeline_plan(cfg, row_bytes, weight_bytes, inputs)
-    staged = _staged_bytes(cfg, stages, row_bytes, weight_bytes if weight_staged else 0, inputs)
+    stages, place = pipeline_plan(cfg, row_bytes, weight_bytes, inputs)
+    staged = _staged_bytes(cfg, stages, row_bytes, weight_bytes if place == SMEM else 0, inputs)
     reduction = 4 * cfg.rows_per_cta * cfg.warps_per_row * cfg.cluster_n * 4  # c1, c2 x two sets, fp32
     assert staged <= SMEM_BUDGET
     assert staged + reduction + 64 <= SM90_MAX_SMEM_PER_CTA
@@ -39,9 +39,18 @@ def test_plan_fits_shared_memory(n, row_bytes, weight_bytes, inputs):
 
 def test_long_fp32_rows_drop_to_one_stage_then_unstaged_weight():
     cfg = rowwise.backward_config(262144, 4)
-    assert pipeline_plan(cfg, 4, 4, 2) == (1, True)
-    assert pipeline_plan(cfg, 4, 4, 3) == (1, False)
-    assert pipeline_plan(rowwise.backward_config(65536, 8), 2, 2, 2) == (2, True)
+    assert pipeline_plan(cfg, 4, 4, 2) == (1, SMEM)
+    assert pipeline_plan(cfg, 4, 4, 3) == (1, L2)
+
+
+def test_two_stages_keep_the_weight_in_registers_before_one_stage():
+    assert pipeline_plan(rowwise.backward_config(65536, 8), 2, 2, 2) == (2, SMEM)
+    cfg = rowwise.backward_config(262144, 8)
+    assert pipeline_plan(cfg, 2, 2, 2) == (2, SMEM)
+    # With dh_out two stages fit only without the staged weight.
+    assert pipeline_plan(cfg, 2, 2, 3) == (2, REGISTERS)
+    # An fp32 weight is too big for the registers: one stage, weight staged.
+    assert pipeline_plan(cfg, 2, 4, 3) == (1, SMEM)
 
 
 def test_grid_is_bounded_by_row_tiles_and_residency():
