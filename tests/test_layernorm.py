@@ -70,7 +70,18 @@ def test_large_mean():
 @pytest.mark.parametrize("n", [7, 1000, 4096, 16384, 65536, 262144])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_backward(n, dtype, bias):
-    m = 37 if n <= 65536 else 9
+    _check_backward(37 if n <= 65536 else 9, n, dtype, bias)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_backward_many_tiles_per_cta(bias):
+    # The persistent grid has at most 8 clusters at N = 256K: each loops
+    # over 9 or more row tiles and so reuses both exchange sets in both
+    # mbarrier phases.
+    _check_backward(77, 262144, torch.bfloat16, bias)
+
+
+def _check_backward(m, n, dtype, bias):
     x, w, b = _inputs(m, n, dtype, dtype, bias)
     inputs = (x, w, b) if bias else (x, w)
     dy = torch.randn_like(x)

@@ -73,7 +73,18 @@ def test_leading_dims_and_empty_batch():
 @pytest.mark.parametrize("n", [7, 1000, 4096, 16384, 65536, 262144])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_backward(n, dtype, residual):
-    m = 37 if n <= 65536 else 9
+    _check_backward(37 if n <= 65536 else 9, n, dtype, residual)
+
+
+@pytest.mark.parametrize("residual", [False, True])
+def test_backward_many_tiles_per_cta(residual):
+    # The persistent grid has at most 8 clusters at N = 256K: each loops
+    # over 9 or more row tiles and so reuses both exchange sets in both
+    # mbarrier phases.
+    _check_backward(77, 262144, torch.bfloat16, residual)
+
+
+def _check_backward(m, n, dtype, residual):
     x, w, r = _inputs(m, n, dtype, dtype, residual)
     inputs = (x, w, r) if residual else (x, w)
     cotangents = tuple(torch.randn_like(x) for _ in range(2 if residual else 1))
