@@ -28,7 +28,7 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-import cutlass.utils as utils
+import cutlass.tensor_utils as tensor_utils
 import cutlass.utils.hopper_helpers as sm90
 from cutlass import Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warp, warpgroup
@@ -80,9 +80,9 @@ class HopperGemm:
         b = cute.make_tensor(b.iterator, cute.select(b.layout, mode=[2, 1, 0] if self.b_n_major else [1, 2, 0]))
         self.ab_dtype = a.element_type
         self.d_dtype = d.element_type
-        a_major = utils.LayoutEnum.from_tensor(a)
-        b_major = utils.LayoutEnum.from_tensor(b)
-        self.d_major = utils.LayoutEnum.from_tensor(d)
+        a_major = tensor_utils.LayoutEnum.from_tensor(a)
+        b_major = tensor_utils.LayoutEnum.from_tensor(b)
+        self.d_major = tensor_utils.LayoutEnum.from_tensor(d)
         tiled_mma = sm90.make_trivial_tiled_mma(
             self.ab_dtype, self.ab_dtype, a_major.sm90_mma_major_mode(), b_major.sm90_mma_major_mode(),
             cutlass.Float32, (self.consumer_warpgroups, 1, 1), tiler_mn=(64, self.tile_mnk[1]),
@@ -141,7 +141,7 @@ class HopperGemm:
         capacity = cutlass.memory.get_smem_capacity_in_bytes("sm_90")
         return (capacity - BARRIER_BYTES - epi_bytes) // stage_bytes
 
-    def _operand_smem_layout(self, major: utils.LayoutEnum, rows: int):
+    def _operand_smem_layout(self, major: tensor_utils.LayoutEnum, rows: int):
         """Swizzled (rows, 64, stages) layout shared by TMA and WGMMA."""
         k_major = major.sm90_mma_major_mode() == cute.nvgpu.OperandMajorMode.K
         atom = warpgroup.make_smem_layout_atom(
