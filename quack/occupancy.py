@@ -24,23 +24,33 @@ import torch
 
 from quack import torch_interop as ti
 
+# Shared memory is allocated to CTAs in units of this many bytes.
+SMEM_GRANULARITY = 128
+# Plain sm_90 (not sm_90a), so that later GPUs can JIT the probe too.
 _PROBE_PTX = b"""
 .version 8.0
-.target sm_90a
+.target sm_90
 .address_size 64
 .visible .entry quack_cluster_probe() { ret; }
 """
 
 
+@torch.compiler.assume_constant_result
 def resident_clusters(device_index: int, threads: int, cluster_size: int, ctas_per_sm: int) -> int:
     """Clusters of ``cluster_size`` CTAs (``threads`` each, ``ctas_per_sm`` to
     an SM) that run at once; the SM count's estimate where no GPU is visible
-    (compile-only) or for single-CTA clusters, which any SM can hold."""
+    (compile-only) or for single-CTA clusters, which any SM can hold.
+    torch.compile takes the answer as a constant: Dynamo cannot trace the
+    driver calls (the norm backwards ask from inside autograd's backward)."""
     estimate = max(1, ti.sm_count(device_index) * ctas_per_sm // cluster_size)
-    if cluster_size == 1 or not torch.cuda.is_available():
+    if cluster_size == 1 or not _gpu_visible():
         return estimate
     answer = _answer(device_index, threads, cluster_size, ctas_per_sm)
     return estimate if answer is None else answer
+
+
+def _gpu_visible() -> bool:
+    return torch.cuda.is_available()
 
 
 @functools.lru_cache(maxsize=None)
@@ -48,7 +58,7 @@ def _answer(device_index: int, threads: int, cluster_size: int, ctas_per_sm: int
     """The driver's answer, or None (warned about once) if it has none."""
     try:
         return _query(device_index, threads, cluster_size, ctas_per_sm)
-    except RuntimeError as err:
+    except Exception as err:  # noqa: BLE001 - any failure of the query only costs the estimate
         warnings.warn(f"quack: cluster occupancy query failed ({err}); sizing grids by the SM count", stacklevel=3)
         return None
 
@@ -62,9 +72,11 @@ def _query(device_index: int, threads: int, cluster_size: int, ctas_per_sm: int)
     config = driver.CUlaunchConfig()
     config.gridDimX, config.gridDimY, config.gridDimZ = cluster_size, 1, 1
     config.blockDimX, config.blockDimY, config.blockDimZ = threads, 1, 1
-    # Just enough shared memory per CTA that ctas_per_sm fit on an SM.
-    config.sharedMemBytes = min(_attribute(driver, device_index, "MAX_SHARED_MEMORY_PER_BLOCK_OPTIN"),
-                                smem_per_sm // ctas_per_sm - reserved)
+    # The most shared memory per CTA at which ctas_per_sm still fit on an SM
+    # (so no more do), rounded down to the allocation granularity.
+    smem = min(_attribute(driver, device_index, "MAX_SHARED_MEMORY_PER_BLOCK_OPTIN"),
+               smem_per_sm // ctas_per_sm - reserved)
+    config.sharedMemBytes = smem // SMEM_GRANULARITY * SMEM_GRANULARITY
     attribute = driver.CUlaunchAttribute()
     attribute.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
     attribute.value.clusterDim.x, attribute.value.clusterDim.y, attribute.value.clusterDim.z = cluster_size, 1, 1
@@ -87,8 +99,10 @@ def _probe(device_index: int):
     the module outlives any state of torch's."""
     from cuda.bindings import driver
 
+    _checked(driver, driver.cuInit(0))
     device = _checked(driver, driver.cuDeviceGet(device_index))
     context = _checked(driver, driver.cuDevicePrimaryCtxRetain(device))
+    module = None
     _checked(driver, driver.cuCtxPushCurrent(context))
     try:
         module = _checked(driver, driver.cuModuleLoadData(_PROBE_PTX))
@@ -100,8 +114,13 @@ def _probe(device_index: int):
              _attribute(driver, device_index, "MAX_SHARED_MEMORY_PER_BLOCK_OPTIN")),
         ):
             _checked(driver, driver.cuFuncSetAttribute(probe, name, value))
-    finally:
+    except BaseException:
+        if module is not None:
+            driver.cuModuleUnload(module)
         driver.cuCtxPopCurrent()
+        driver.cuDevicePrimaryCtxRelease(device)
+        raise
+    driver.cuCtxPopCurrent()
     return context, probe
 
 

@@ -118,8 +118,9 @@ def check_contiguous(name: str, t: torch.Tensor) -> None:
 
 def partial_rows(rows: int, n: int, device: torch.device, kernel_runs: bool) -> torch.Tensor:
     """The fp32 (rows, N) buffer of a persistent backward's partial sums: left
-    uninitialised when the kernel runs (it writes every row it is given,
-    ``fit_partial_rows``), zeros when it does not (M = 0)."""
+    uninitialised when the kernel runs (it writes rows below num_ctas *
+    rows_per_cta; ``fit_partial_rows`` zeroes any beyond), zeros when it
+    does not (M = 0)."""
     allocate = torch.empty if kernel_runs else torch.zeros
     return allocate(rows, n, device=device, dtype=torch.float32)
 
