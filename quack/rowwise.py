@@ -330,14 +330,14 @@ def staged_max_and_sum(tXsX: cute.Tensor, valid, cfg: RowConfig, max_buffer, sum
     """Row max M and sum of exp(x - M) of a staged row (``stage_row``): one
     pass over the slice with a running (max, sum) per thread, one vector in
     registers at a time, then one exchange (``row_merge``)."""
-    part = (Float32(-FLT_MAX), Float32(0.0))
+    state = (Float32(-FLT_MAX), Float32(0.0))
     for v in range(cfg.vecs_per_thread):
         x = slice_vector(tXsX, valid, v, -math.inf)
         vec_max = x.reduce(cute.ReductionOp.MAX, Float32(-FLT_MAX), reduction_profile=0)
         vec_sum = exp_shifted(x, vec_max).reduce(cute.ReductionOp.ADD, Float32(0.0), reduction_profile=0)
-        part = merge_max_sum(part, (vec_max, vec_sum))
+        state = merge_max_sum(state, (vec_max, vec_sum))
     return row_merge(
-        part, (max_buffer, sum_buffer), merge_max_sum, (Float32(-FLT_MAX), Float32(0.0)),
+        state, (max_buffer, sum_buffer), merge_max_sum, (Float32(-FLT_MAX), Float32(0.0)),
         cfg.threads_per_row, cfg.cluster_n, mbar,
     )
 
