@@ -71,3 +71,20 @@ def test_header_without_wrapper_is_an_error():
 
     with pytest.raises(ValueError, match="no cute_dsl_q_wrapper"):
         parse_abi(HEADER, "q")
+
+
+def test_first_call_hands_the_dsl_tensors_it_can_export():
+    # Under torch.compile an op's kernel may receive its leaf inputs, which
+    # still require grad; the DSL's first launch exports tensors through
+    # DLPack, which refuses those (seen on the H200 with a fresh process).
+    from quack.cache.launcher import FastLauncher
+
+    exported = []
+
+    def dsl_entry(x, stream):
+        exported.append(torch.from_dlpack(x.__dlpack__()))
+
+    x = torch.randn(4, 8, requires_grad=True)
+    FastLauncher(dsl_entry, [["tensor", "int32_t", 0, "int64_t", 0], ["stream"]])(x, 0)
+    assert exported[0].data_ptr() == x.data_ptr()
+    assert x.requires_grad  # the caller's tensor is untouched

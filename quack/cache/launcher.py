@@ -198,8 +198,12 @@ class FastLauncher:
 
 
 def _dsl_value(spec: list, arg: Any) -> Any:
-    """The DSL's own call path wants a ``CUstream`` and typed scalars; the fast
-    path takes raw stream handles and Python numbers."""
+    """The DSL's own call path wants a ``CUstream``, typed scalars and tensors
+    that DLPack can export (none that require grad: a compiled graph may hand
+    the op its leaf inputs); the fast path takes raw stream handles, Python
+    numbers and data pointers."""
+    if getattr(arg, "requires_grad", False):
+        return arg.detach()
     if spec[0] == "stream" and isinstance(arg, int):
         import cuda.bindings.driver as cuda
 
