@@ -101,7 +101,7 @@ def _layernorm_fwd(
     kernel(x, weight, bias, out, mean, rstd, eps, ti.current_stream(x.device))
 
 
-@cute_op("quack::layernorm_bwd", mutates_args=("dx", "dw_partial", "db_partial"))
+@cute_op("quack::layernorm_bwd", mutates_args=("dx", "dw", "db"))
 def _layernorm_bwd(
     x: torch.Tensor,
     weight: Optional[torch.Tensor],
@@ -109,19 +109,27 @@ def _layernorm_bwd(
     mean: torch.Tensor,
     rstd: torch.Tensor,
     dx: torch.Tensor,
-    dw_partial: Optional[torch.Tensor],
-    db_partial: Optional[torch.Tensor],
-    num_ctas: int,
+    dw: Optional[torch.Tensor],
+    db: Optional[torch.Tensor],
 ) -> None:
-    """Launch the persistent backward kernel over ``num_ctas`` CTAs (clusters)."""
-    n = x.shape[1]
-    # The partial buffers are allocated 16-byte aligned: they never narrow the vectors.
+    """Launch the persistent backward kernel and sum its per-CTA partial rows
+    into dw (given exactly when weight is) and db.  The grid and the partial
+    buffers are sized here, on the real tensors, never while torch.compile
+    traces (where N and M may be symbolic)."""
+    m, n = x.shape
     vec = ti.vector_width(n, x, weight, dy, dx)
-    rows_per_cta = backward_config(n, vec).rows_per_cta
-    ti.fit_partial_rows("dw_partial", dw_partial, num_ctas, rows_per_cta)
-    ti.fit_partial_rows("db_partial", db_partial, num_ctas, rows_per_cta)
-    kernel = compile_layernorm_bwd(ti.dtype_name(x.dtype), _name(weight), db_partial is not None, n, vec)
-    kernel(x, weight, dy, None, mean, rstd, dx, dw_partial, db_partial, num_ctas, ti.current_stream(x.device))
+    cfg = backward_config(n, vec)
+    num_ctas = grid_clusters(
+        cfg, m, x.device.index or 0, x.element_size(), 0 if weight is None else weight.element_size(), False
+    )
+    rows = num_ctas * cfg.rows_per_cta
+    dw_partial = ti.partial_rows(rows, n, x.device, m) if dw is not None else None
+    db_partial = ti.partial_rows(rows, n, x.device, m) if db is not None else None
+    if m > 0:
+        kernel = compile_layernorm_bwd(ti.dtype_name(x.dtype), _name(weight), db is not None, n, vec)
+        kernel(x, weight, dy, None, mean, rstd, dx, dw_partial, db_partial, num_ctas, ti.current_stream(x.device))
+    ti.sum_partial_rows(dw_partial, dw)
+    ti.sum_partial_rows(db_partial, db)
 
 
 def _validate(x, weight, bias) -> None:
@@ -160,27 +168,12 @@ def layernorm_fwd(x, weight=None, bias=None, eps=1e-5, store_stats=True):
 
 def layernorm_bwd(x, weight, dy, mean, rstd, has_bias=False):
     """Allocate gradients and run the backward op: returns (dx, dweight or
-    None, dbias or None)."""
+    None, dbias in fp32 or None)."""
     n = x.shape[-1]
-    x2, dy2 = ti.as_rows(x, n), ti.as_rows(dy.contiguous(), n)
-    m = x2.shape[0]
     dx = torch.empty_like(x)
-    dx2 = ti.as_rows(dx, n)
-    cfg = backward_config(n, ti.vector_width(n, x2, weight, dy2, dx2))
-    num_ctas = grid_clusters(
-        cfg, m, x.device.index or 0, x.element_size(),
-        0 if weight is None else weight.element_size(), False,
-    )
-
-    def partial():
-        return ti.partial_rows(num_ctas * cfg.rows_per_cta, n, x.device, kernel_runs=m > 0)
-
-    dw_partial = partial() if weight is not None else None
-    db_partial = partial() if has_bias else None
-    if m > 0:
-        _layernorm_bwd(x2, weight, dy2, mean, rstd, dx2, dw_partial, db_partial, num_ctas)
-    dw = dw_partial.sum(0).to(weight.dtype) if weight is not None else None
-    db = db_partial.sum(0) if has_bias else None
+    dw = torch.empty_like(weight) if weight is not None else None
+    db = torch.empty(n, device=x.device, dtype=torch.float32) if has_bias else None
+    _layernorm_bwd(ti.as_rows(x, n), weight, ti.as_rows(dy.contiguous(), n), mean, rstd, ti.as_rows(dx, n), dw, db)
     return dx, dw, db
 
 

@@ -94,7 +94,7 @@ def _rmsnorm_fwd(
     kernel(x, weight, residual, out, residual_out, rstd, eps, ti.current_stream(x.device))
 
 
-@cute_op("quack::rmsnorm_bwd", mutates_args=("dx", "dw_partial"))
+@cute_op("quack::rmsnorm_bwd", mutates_args=("dx", "dw"))
 def _rmsnorm_bwd(
     x: torch.Tensor,
     weight: Optional[torch.Tensor],
@@ -102,22 +102,30 @@ def _rmsnorm_bwd(
     dh_out: Optional[torch.Tensor],
     rstd: torch.Tensor,
     dx: torch.Tensor,
-    dw_partial: Optional[torch.Tensor],
-    num_ctas: int,
+    dw: Optional[torch.Tensor],
 ) -> None:
-    """Launch the persistent backward kernel over ``num_ctas`` CTAs (clusters)."""
-    n = x.shape[1]
-    # dw_partial is allocated 16-byte aligned: it never narrows the vectors.
+    """Launch the persistent backward kernel and sum its per-CTA partial rows
+    into dw (given exactly when weight is).  The grid and the partial buffer
+    are sized here, on the real tensors, never while torch.compile traces
+    (where N and M may be symbolic)."""
+    m, n = x.shape
     vec = ti.vector_width(n, x, weight, dy, dh_out, dx)
-    ti.fit_partial_rows("dw_partial", dw_partial, num_ctas, backward_config(n, vec).rows_per_cta)
-    kernel = compile_rmsnorm_bwd(
-        ti.dtype_name(x.dtype),
-        ti.dtype_name(weight.dtype) if weight is not None else None,
-        dh_out is not None,
-        n,
-        vec,
+    cfg = backward_config(n, vec)
+    num_ctas = grid_clusters(
+        cfg, m, x.device.index or 0, x.element_size(),
+        0 if weight is None else weight.element_size(), dh_out is not None,
     )
-    kernel(x, weight, dy, dh_out, None, rstd, dx, dw_partial, None, num_ctas, ti.current_stream(x.device))
+    dw_partial = ti.partial_rows(num_ctas * cfg.rows_per_cta, n, x.device, m) if dw is not None else None
+    if m > 0:
+        kernel = compile_rmsnorm_bwd(
+            ti.dtype_name(x.dtype),
+            ti.dtype_name(weight.dtype) if weight is not None else None,
+            dh_out is not None,
+            n,
+            vec,
+        )
+        kernel(x, weight, dy, dh_out, None, rstd, dx, dw_partial, None, num_ctas, ti.current_stream(x.device))
+    ti.sum_partial_rows(dw_partial, dw)
 
 
 def _validate(x, weight, residual) -> None:
@@ -163,22 +171,10 @@ def rmsnorm_fwd(x, weight=None, residual=None, eps=1e-6, store_rstd=True):
 def rmsnorm_bwd(h, weight, dy, rstd, dh_out=None):
     """Allocate gradients and run the backward op: returns (dh, dweight or None)."""
     n = h.shape[-1]
-    h2, dy2 = ti.as_rows(h, n), ti.as_rows(dy.contiguous(), n)
     dh2 = ti.as_rows(dh_out.contiguous(), n) if dh_out is not None else None
-    m = h2.shape[0]
     dx = torch.empty_like(h)
-    dx2 = ti.as_rows(dx, n)
-    cfg = backward_config(n, ti.vector_width(n, h2, weight, dy2, dh2, dx2))
-    num_ctas = grid_clusters(
-        cfg, m, h.device.index or 0, h.element_size(),
-        0 if weight is None else weight.element_size(), dh_out is not None,
-    )
-    dw_partial = None
-    if weight is not None:
-        dw_partial = ti.partial_rows(num_ctas * cfg.rows_per_cta, n, h.device, kernel_runs=m > 0)
-    if m > 0:
-        _rmsnorm_bwd(h2, weight, dy2, dh2, rstd, dx2, dw_partial, num_ctas)
-    dw = dw_partial.sum(0).to(weight.dtype) if weight is not None else None
+    dw = torch.empty_like(weight) if weight is not None else None
+    _rmsnorm_bwd(ti.as_rows(h, n), weight, ti.as_rows(dy.contiguous(), n), dh2, rstd, ti.as_rows(dx, n), dw)
     return dx, dw
 
 

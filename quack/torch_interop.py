@@ -38,7 +38,7 @@ def vector_width(n: int, x: torch.Tensor, *others: torch.Tensor | None) -> int:
     (None entries skipped) can use: 16 bytes of x's dtype when N and every
     base pointer allow it, fewer otherwise (see rowwise.vector_width)."""
     present = (x, *(t for t in others if t is not None))
-    if not is_compile_only() and not torch.compiler.is_compiling():
+    if not is_compile_only():
         # The usual case, cheaply: real tensors, every base 16-byte aligned.
         addresses = 0
         for t in present:
@@ -53,12 +53,7 @@ def address(t: torch.Tensor) -> int:
 
     Fake tensors (compile-only) have no storage; their allocation base is
     aligned like a real CUDA allocation, so only the storage offset counts.
-    While torch.compile traces, neither ``data_ptr`` nor ``storage_offset``
-    can be traced: tensors count as aligned there.  Kernels that size buffers
-    from this check them again in the op, on real tensors
-    (``fit_partial_rows``)."""
-    if torch.compiler.is_compiling():
-        return 0  # assumed aligned; see above
+    Only op bodies ask, which torch.compile never traces."""
     if isinstance(t, _FakeTensor):
         return t.storage_offset() * t.element_size()
     return t.data_ptr()
@@ -116,28 +111,19 @@ def check_contiguous(name: str, t: torch.Tensor) -> None:
         raise ValueError(f"{name} must be contiguous (got strides {tuple(t.stride())})")
 
 
-def partial_rows(rows: int, n: int, device: torch.device, kernel_runs: bool) -> torch.Tensor:
-    """The fp32 (rows, N) buffer of a persistent backward's partial sums: left
-    uninitialised when the kernel runs (it writes rows below num_ctas *
-    rows_per_cta; ``fit_partial_rows`` zeroes any beyond), zeros when it
-    does not (M = 0)."""
-    allocate = torch.empty if kernel_runs else torch.zeros
+def partial_rows(rows: int, n: int, device: torch.device, m: int) -> torch.Tensor:
+    """The fp32 (rows, N) buffer of a persistent backward's partial sums over
+    M rows: left uninitialised when the kernel runs (its launch writes every
+    one of the rows), zeros when it does not (M = 0)."""
+    allocate = torch.empty if m > 0 else torch.zeros
     return allocate(rows, n, device=device, dtype=torch.float32)
 
 
-def fit_partial_rows(name: str, partial: torch.Tensor | None, num_ctas: int, rows_per_cta: int) -> None:
-    """A persistent backward writes ``rows_per_cta`` partial rows per CTA into
-    a buffer allocated uninitialised and summed outside the op.  It was sized
-    outside the op (possibly while torch.compile traced, from storage
-    offsets), so check it against the launch's real configuration, and zero
-    any rows past the launch's so that the sum stays exact."""
+def sum_partial_rows(partial: torch.Tensor | None, out: torch.Tensor | None) -> None:
+    """out = the column sums of ``partial``, in out's dtype (nothing if None)."""
     if partial is None:
         return
-    written = num_ctas * rows_per_cta
-    if partial.shape[0] < written:
-        raise ValueError(
-            f"{name} has {partial.shape[0]} rows; this launch writes {written} "
-            "(an input's base address is less aligned than its storage offset suggests)"
-        )
-    if partial.shape[0] > written:
-        partial[written:].zero_()
+    if out.dtype == torch.float32:
+        torch.sum(partial, 0, out=out)
+    else:
+        out.copy_(partial.sum(0))
