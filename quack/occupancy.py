@@ -40,8 +40,9 @@ def resident_clusters(device_index: int, threads: int, cluster_size: int, ctas_p
     """Clusters of ``cluster_size`` CTAs (``threads`` each, ``ctas_per_sm`` to
     an SM) that run at once; the SM count's estimate where no GPU is visible
     (compile-only) or for single-CTA clusters, which any SM can hold.
-    torch.compile takes the answer as a constant: Dynamo cannot trace the
-    driver calls (the norm backwards ask from inside autograd's backward)."""
+    Callers ask from op bodies, which torch.compile does not trace; should one
+    ask while it traces, the answer is taken as a constant (Dynamo cannot
+    trace the driver calls)."""
     estimate = max(1, ti.sm_count(device_index) * ctas_per_sm // cluster_size)
     if cluster_size == 1 or not _gpu_visible():
         return estimate

@@ -21,9 +21,9 @@ def test_without_a_gpu_the_sm_count_estimates(monkeypatch):
 
 
 def test_torch_compile_takes_the_answer_as_a_constant(monkeypatch):
-    # The norm backwards ask from inside autograd's backward, which
-    # torch.compile(fullgraph=True) traces; Dynamo cannot trace the driver's
-    # bindings (a cython object stands in for the query here).
+    # A caller asking from code that torch.compile(fullgraph=True) traces,
+    # such as an autograd backward: Dynamo cannot trace the driver's bindings
+    # (a cython object stands in for the query here).
     from cuda.bindings import driver
 
     def untraceable_answer(*args):
