@@ -39,9 +39,9 @@ def _masked(values, valid):
     return cute.where(valid, values, Float32(0.0))
 
 
-def _centred(tXsX, valid, v, mean):
-    """``rowwise.part`` v of a slice minus ``mean``, zero in padded columns."""
-    return _masked(rowwise.slice_vector(tXsX, None, v) - mean, None if valid is None else rowwise.part(valid, v).load())
+def _centred(tXsX, valid, v, centre):
+    """``rowwise.part`` v of a slice minus ``centre``, zero in padded columns."""
+    return _masked(rowwise.slice_vector(tXsX, None, v) - centre, None if valid is None else rowwise.part(valid, v).load())
 
 
 def _inverse(count):
@@ -112,19 +112,22 @@ class LayerNormForward:
         valid = rowwise.column_mask(tXcX, n) if const_expr(not cfg.covers_n_exactly) else None
         parts = rowwise.slice_parts(cfg, staged)
         rowwise.slice_ready(cfg, staged)
-        # Count, sum and squared deviations from this thread's own mean, merged
-        # over the row in one exchange (Chan et al.'s pairwise update).
+        # Count, sum and squared deviations of this thread's values, in one
+        # pass over its slice: the sums are of x - shift, shift being one of
+        # its own values (so close to their mean, which keeps the variance
+        # accurate for rows with a large mean), then merged over the row in
+        # one exchange (Chan et al.'s pairwise update).
         count = Float32(cute.size(tXsX))
         if const_expr(valid is not None):
             count = valid.load().to(Float32).reduce(cute.ReductionOp.ADD, Float32(0.0), reduction_profile=0)
-        total = Float32(0.0)
+        shift = rowwise.slice_vector(tXsX, valid, parts[0])[0]
+        shifted_sum, shifted_sq = Float32(0.0), Float32(0.0)
         for v in parts:
-            total += rowwise.slice_vector(tXsX, valid, v).reduce(cute.ReductionOp.ADD, Float32(0.0), reduction_profile=0)
-        own_mean = total * _inverse(count)
-        sq = Float32(0.0)
-        for v in parts:
-            dev = _centred(tXsX, valid, v, own_mean)
-            sq += (dev * dev).reduce(cute.ReductionOp.ADD, Float32(0.0), reduction_profile=0)
+            dev = _centred(tXsX, valid, v, shift)
+            shifted_sum += dev.reduce(cute.ReductionOp.ADD, Float32(0.0), reduction_profile=0)
+            shifted_sq += (dev * dev).reduce(cute.ReductionOp.ADD, Float32(0.0), reduction_profile=0)
+        total = shifted_sum + count * shift
+        sq = cutlass.max(shifted_sq - shifted_sum * shifted_sum * _inverse(count), Float32(0.0))
         _, total, sq = rowwise.row_merge(
             (count, total, sq), (sRed[None, None, 0], sRed[None, None, 1], sRed[None, None, 2]), _merge_moments,
             (Float32(0.0), Float32(0.0), Float32(0.0)), cfg.threads_per_row, cfg.cluster_n, mbar,

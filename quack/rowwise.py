@@ -604,7 +604,16 @@ def broadcast_param(cfg: RowConfig, thr, mV, rank, pred):
     thread's slice, its copy predicate, its copy atom), or None without one."""
     if mV is None:
         return None
-    return broadcast_vector(cfg, thr, mV, rank), pred, vector_atom(mV.element_type, cfg)
+    return broadcast_vector(cfg, thr, mV, rank), pred, param_atom(mV.element_type, cfg)
+
+
+def param_atom(dtype, cfg: RowConfig) -> cute.CopyAtom:
+    """Copy atom for a parameter vector: an invariant load (``ld.global.nc``),
+    which promises the data does not change while the kernel runs, so the
+    compiler may issue it ahead of earlier stores instead of behind them."""
+    return cute.make_copy_atom(
+        cute.nvgpu.CopyG2ROp(), dtype, num_bits_per_copy=8 * _copy_bytes(dtype, cfg.vec), invariant=True
+    )
 
 
 def load_param(param, v=None):

@@ -60,9 +60,11 @@ def test_forward_param_variants(n, weight_dtype, bias):
     )
 
 
-def test_large_mean():
-    # The two-pass variance stays accurate when the mean dwarfs the spread.
-    x, w, b = _inputs(16, 4097, torch.float32, torch.float32, offset=1000.0)
+@pytest.mark.parametrize("n", [4097, 65536])
+def test_large_mean(n):
+    # The shifted sums keep the variance accurate when the mean dwarfs the
+    # spread, in registers (4097) and staged over a cluster (65536).
+    x, w, b = _inputs(16, n, torch.float32, torch.float32, offset=1000.0)
     torch.testing.assert_close(quack.layernorm(x, w, b), layernorm_ref(x, w, b), atol=2e-3, rtol=1e-3)
 
 
