@@ -5,10 +5,12 @@ rstd = rsqrt(sum(xc^2) / N + eps),  y = xc * rstd * w + b.
 Each CTA owns ``rows_per_cta`` rows (or, in a cluster, one slice of a row) and
 reads its slice once, into registers or (clusters) shared memory, walking it
 in ``rowwise.slice_parts``.  Each thread takes the count, sum and
-squared deviations of its values from their own mean; those triples are
-merged over the row in one exchange (Chan et al.'s pairwise update), so the
-variance stays accurate for rows with a large mean without a second row
-reduction.  Padded columns are zeroed after centring.  Writes y and, for a
+squared deviations of its values in one pass, from sums of x - (one of its
+own values); those triples are merged over the row in one exchange (Chan et
+al.'s pairwise update), so the variance stays accurate for rows with a large
+mean without a second pass or row reduction (a second pass over a staged
+slice cost 2-4 points of copy bandwidth at 64K / 256K, and spilled).  Padded
+columns are zeroed after the shift.  Writes y and, for a
 backward pass, mean and rstd (fp32).
 
 The backward (dx, partial dw and db rows) is quack/norm_backward.py's

@@ -627,9 +627,10 @@ def load_param(param, v=None):
 
 
 # Vectors of a staged slice whose parameters (weight, bias) a forward's output
-# pass loads at once: loads cannot move above the previous vectors' stores
-# (they might alias), so each group costs one L2 round trip, and a whole
-# slice's parameters would not fit in the registers of a staged kernel.
+# pass loads at once, each group one L2 round trip; a whole slice's would not
+# fit in the registers of a staged kernel.  Invariant loads (``param_atom``)
+# may also pass the previous group's stores.  H200, bf16, RMSNorm fwd at
+# 64K / 256K: one vector per group 90 / 87% of copy, two 97 / 96%.
 PARAM_GROUP_VECTORS = 2
 
 
