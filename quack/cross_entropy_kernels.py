@@ -133,7 +133,7 @@ class CrossEntropyForward:
                 cute.arch.cluster_wait()
             row_max, denom, _ = rowwise.row_max_and_exp(
                 tXrX.load().to(Float32), sRed[None, None, 0], sRed[None, None, 1], cfg.threads_per_row,
-                cfg.cluster_n, mbar,
+                cfg.cluster_n, mbar, rowwise.fuses_exp(mX.element_type),
             )
         if owner:
             lse = row_max + cute.math.log2(denom, fastmath=True) * LN_2

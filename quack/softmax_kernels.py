@@ -75,7 +75,8 @@ class SoftmaxForward:
             )
             scale = cute.arch.rcp_approx(denom)
             for v in cutlass.range_constexpr(cfg.vecs_per_thread):
-                y = rowwise.exp_shifted(rowwise.slice_vector(tXsX, valid, v, -math.inf), row_max) * scale
+                x = rowwise.slice_vector(tXsX, valid, v, -math.inf)
+                y = rowwise.exp_shifted(x, row_max, rowwise.fuses_exp(mX.element_type)) * scale
                 tXrY[None, None, v].store(y.to(mY.element_type))
                 cute.copy(atom_y, tXrY[None, None, v], tXgY[None, None, v], pred=tXpX[None, None, v])
         else:
@@ -87,7 +88,7 @@ class SoftmaxForward:
                 cute.arch.cluster_wait()
             _, denom, p = rowwise.row_max_and_exp(
                 tXrX.load().to(Float32), sRed[None, None, 0], sRed[None, None, 1], cfg.threads_per_row,
-                cfg.cluster_n, mbar,
+                cfg.cluster_n, mbar, rowwise.fuses_exp(mX.element_type),
             )
             tXrY.store((p * cute.arch.rcp_approx(denom)).to(mY.element_type))
             rowwise.store_row(atom_y, tXrY, tXgY, tXpX)
