@@ -553,7 +553,7 @@ def row_max_and_exp(
     this thread's values (fp32).
 
     Each thread exponentiates against its own max and the (max, sum) pairs
-    are merged (``row_merge``), so the row needs one barrier where a max then
+    are merged (``row_max_sum``), so the row needs one barrier where a max then
     a sum would need two.  Maxima start at -FLT_MAX, not -inf, so parts made
     only of -inf (padding, masked logits) merge without NaNs; a row of only
     -inf still gives S = 0.  ``fused``: ``exp_shifted``'s form for p."""

@@ -101,6 +101,20 @@ def test_backward_sum_int32_targets():
     _check_grads(logits, target, "sum")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n", [3000, 65536])
+def test_large_and_masked_logits(n, dtype):
+    # A large offset and -inf logits (a masked vocabulary) filling whole thread
+    # and cluster-peer slices, with the exact (fp32) and fused (bf16) exponent.
+    logits, target = _inputs(4, n, dtype, ignore_every=0)
+    cols = torch.arange(n, device="cuda")
+    logits = torch.where(cols < n // 2, float("-inf"), logits + 100.0)
+    target = n // 2 + target % (n - n // 2)
+    atol, rtol = TOLERANCE[dtype]
+    loss = quack.cross_entropy(logits, target, reduction="none")
+    torch.testing.assert_close(loss, cross_entropy_ref(logits, target, reduction="none"), atol=atol, rtol=rtol)
+
+
 def test_all_rows_ignored_mean_is_nan():
     logits, _ = _inputs(4, 100, torch.float32)
     target = torch.full((4,), IGNORE, device="cuda", dtype=torch.int64)

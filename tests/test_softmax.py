@@ -58,23 +58,29 @@ def test_backward(n, dtype):
     torch.testing.assert_close(dx.float(), dx_ref, atol=atol * 4, rtol=rtol * 4)
 
 
-def test_large_and_masked_values():
+# fp32 for the exact exponent, bf16 for the fused one (rowwise.fuses_exp).
+EXACT_AND_FUSED = [(torch.float32, (1e-5, 1e-4)), (torch.bfloat16, TOLERANCE[torch.bfloat16])]
+
+
+@pytest.mark.parametrize("dtype, tol", EXACT_AND_FUSED)
+def test_large_and_masked_values(dtype, tol):
     # Large offsets (the max subtraction matters) and -inf entries (masked logits).
-    x = _x(9, 3000, torch.float32) + 1000.0
+    x = _x(9, 3000, dtype) + 1000.0
     masked = torch.arange(3000, device="cuda") % 7 == 0
     x = torch.where(masked, float("-inf"), x)
-    torch.testing.assert_close(quack.softmax(x), softmax_ref(x), atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(quack.softmax(x), softmax_ref(x), atol=tol[0], rtol=tol[1])
 
 
+@pytest.mark.parametrize("dtype, tol", EXACT_AND_FUSED)
 @pytest.mark.parametrize("n", [3000, 65536])
-def test_masked_halves_and_rows(n):
+def test_masked_halves_and_rows(n, dtype, tol):
     # Whole thread and whole cluster-peer slices of -inf (the first half of each
     # row) merge without NaNs; a row of only -inf gives NaN, as in torch.
     cols = torch.arange(n, device="cuda")
-    x = torch.where(cols < n // 2, float("-inf"), _x(4, n, torch.float32))
+    x = torch.where(cols < n // 2, float("-inf"), _x(4, n, dtype))
     x = torch.where(torch.arange(4, device="cuda").unsqueeze(1) == 3, float("-inf"), x)
     ref = softmax_ref(x)
-    torch.testing.assert_close(quack.softmax(x), ref, atol=1e-5, rtol=1e-4, equal_nan=True)
+    torch.testing.assert_close(quack.softmax(x), ref, atol=tol[0], rtol=tol[1], equal_nan=True)
     torch.testing.assert_close(ref.narrow(0, 3, 1), torch.full_like(ref.narrow(0, 3, 1), float("nan")),
                                equal_nan=True)
 
