@@ -29,6 +29,7 @@ address arithmetic never overflows 32 bits.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -369,16 +370,10 @@ def row_max_sum(
     computes two exponentials in all instead of two per shuffle step (22 per
     thread for a 128-thread row: the cross-entropy forward at N = 4K issued
     as many exponentials for the merge as for its 32 values)."""
-    state = _warp_max_sum(state, const_expr(min(threads_per_row, 32)))
-    if const_expr(threads_per_row > 32 or cluster_n > 1):
-        row_in_cta, slots = _exchange(state, buffers, threads_per_row, cluster_n, mbar, 0)
-        lane = cute.arch.lane_idx()
-        state = (Float32(-FLT_MAX), Float32(0.0))
-        for i in cutlass.range_constexpr(0, slots, 32):
-            if lane + i < slots:
-                state = merge_max_sum(state, tuple(b[row_in_cta, lane + i] for b in buffers))
-        state = _warp_max_sum(state, 32)
-    return state
+    return row_merge(
+        state, buffers, merge_max_sum, (Float32(-FLT_MAX), Float32(0.0)), threads_per_row, cluster_n, mbar,
+        warp_merge=_warp_max_sum,
+    )
 
 
 def _warp_max_sum(state: tuple, width: int) -> tuple:
@@ -495,6 +490,7 @@ def row_merge(
     cluster_n: cutlass.Constexpr[int],
     mbar=None,
     phase=0,
+    warp_merge: cutlass.Constexpr = None,
 ) -> tuple:
     """Combine per-thread states (tuples of fp32, one buffer stage per
     element) over the threads and cluster peers of a row with one exchange:
@@ -507,10 +503,12 @@ def row_merge(
     part.  Several statistics of a row thus cost one synchronisation where
     one ``row_reduce`` each would cost one per statistic.  Buffer stages
     follow ``row_reduce``'s rule: a loop alternates between two sets
-    (``exchange_turn``)."""
-    width = const_expr(min(threads_per_row, 32))
-    for i in cutlass.range_constexpr(int(math.log2(width))):
-        values = merge(values, _shuffle_xor(values, width >> (i + 1)))
+    (``exchange_turn``).  ``warp_merge(values, width)``: the merge over groups
+    of ``width`` lanes, when a state has a cheaper one than ``merge`` at each
+    butterfly step (``row_max_sum``)."""
+    if const_expr(warp_merge is None):
+        warp_merge = functools.partial(_butterfly, merge)
+    values = warp_merge(values, const_expr(min(threads_per_row, 32)))
     if const_expr(threads_per_row > 32 or cluster_n > 1):
         row_in_cta, slots = _exchange(values, buffers, threads_per_row, cluster_n, mbar, phase)
         lane = cute.arch.lane_idx()
@@ -518,8 +516,14 @@ def row_merge(
         for i in cutlass.range_constexpr(0, slots, 32):
             if lane + i < slots:
                 values = merge(values, tuple(b[row_in_cta, lane + i] for b in buffers))
-        for i in cutlass.range_constexpr(5):
-            values = merge(values, _shuffle_xor(values, 16 >> i))
+        values = warp_merge(values, 32)
+    return values
+
+
+def _butterfly(merge, values: tuple, width: int) -> tuple:
+    """``merge`` over groups of ``width`` lanes: butterfly shuffles."""
+    for i in range(int(math.log2(width))):
+        values = merge(values, _shuffle_xor(values, width >> (i + 1)))
     return values
 
 
