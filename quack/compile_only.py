@@ -25,6 +25,7 @@ Driver-script use::
 from __future__ import annotations
 
 import contextlib
+import contextvars
 from typing import Any, Iterator
 
 import torch
@@ -33,7 +34,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from quack.cache import _COMPILE_ONLY_DEPTH
 
-__all__ = ["CompileOnlyFakeTensorMode", "compile_only_mode", "is_compile_only"]
+__all__ = [
+    "CompileOnlyFakeTensorMode", "compile_only_mode", "grad_enabled", "is_compile_only",
+    "warming_gradients",
+]
+
+# Set by ``warming_gradients``: the caller will take gradients of what it computes.
+_WARMING_GRADIENTS = contextvars.ContextVar("quack_warming_gradients", default=False)
 
 # Small on purpose: test code that really depends on the value should fail
 # loudly under compile-only rather than pass with a conveniently aligned number.
@@ -103,3 +110,28 @@ def is_compile_only() -> bool:
     through the registered custom ops, and Dynamo cannot trace ``ContextVar.get``.
     """
     return not torch.compiler.is_compiling() and _COMPILE_ONLY_DEPTH.get() > 0
+
+
+@contextlib.contextmanager
+def warming_gradients() -> Iterator[None]:
+    """Compile-only mode: the calls inside will be differentiated.
+
+    With a CPU-only torch, autograd aborts on fake CUDA leaf tensors, so a
+    compile-only gradient (``quack.testing.autograd.vjp``) runs its function
+    under ``torch.no_grad()`` inside this context: ops then warm the kernels
+    a real backward would run (``grad_enabled``), and build no graph."""
+    token = _WARMING_GRADIENTS.set(True)
+    try:
+        yield
+    finally:
+        _WARMING_GRADIENTS.reset(token)
+
+
+def grad_enabled() -> bool:
+    """Whether autograd will differentiate calls made here: torch's grad mode,
+    or, in compile-only mode, ``warming_gradients``.  Every op decides from
+    this (``torch_interop.will_backward``) both which kernels an eager call runs
+    and which ones compile-only warms, so the two never disagree."""
+    if torch.is_grad_enabled():
+        return True
+    return is_compile_only() and _WARMING_GRADIENTS.get()

@@ -127,13 +127,7 @@ def _cross_entropy_bwd(
 
 
 def _validate(logits, target, ignore_index, reduction) -> None:
-    ti.check_float("logits", logits)
-    ti.check_cuda("logits", logits)
-    ti.check_contiguous("logits", logits)
-    if logits.dim() < 1 or logits.shape[-1] == 0:
-        raise ValueError(f"logits must have shape (..., N) with N >= 1, got {tuple(logits.shape)}")
-    if logits.shape[-1] > MAX_N:
-        raise ValueError(f"N = {logits.shape[-1]} is larger than the supported {MAX_N}")
+    ti.check_row_input("quack.cross_entropy", "logits", logits, MAX_N)
     ti.check_float("target", target, TARGET_DTYPES)
     ti.check_cuda("target", target, logits)
     if tuple(target.shape) != tuple(logits.shape[:-1]):
@@ -254,24 +248,26 @@ def cross_entropy(
     _validate(logits, target, ignore_index, reduction)
     if check_targets is None:
         check_targets = _check_env()
-    compile_only = not torch.compiler.is_compiling() and is_compile_only()
+    compile_only = is_compile_only()
     if check_targets and not compile_only:
         check_targets_in_range(target, logits.shape[-1], ignore_index)
+    backward = ti.will_backward(logits)
     if compile_only:
-        return _warm(logits, target, ignore_index, reduction)
-    if logits.requires_grad and torch.is_grad_enabled():
+        return _warm(logits, target, ignore_index, reduction, backward)
+    if backward:
         return _CrossEntropyFunction.apply(logits, target, ignore_index, reduction)
     loss, _ = cross_entropy_fwd(logits, target, ignore_index)
     return _reduce(loss, target, ignore_index, reduction, logits.dtype)[0]
 
 
 @torch.no_grad()
-def _warm(logits, target, ignore_index, reduction):
-    """Compile-only: export the forward kernel, and the backward one when the
-    logits require grad (autograd cannot run on fake CUDA tensors with a
-    CPU-only torch, see quack/testing/autograd.py).  No graph is built."""
+def _warm(logits, target, ignore_index, reduction, backward):
+    """Compile-only: export the kernels the eager call would run: the forward,
+    and the backward when autograd will run one (autograd cannot run on fake
+    CUDA tensors with a CPU-only torch, see quack/testing/autograd.py).  No
+    graph is built."""
     loss, lse = cross_entropy_fwd(logits, target, ignore_index)
-    if logits.requires_grad:
+    if backward:
         cross_entropy_bwd(logits, target, lse, torch.empty_like(lse), ignore_index)
     return _reduce(loss, target, ignore_index, reduction, logits.dtype)[0]
 

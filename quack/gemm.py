@@ -186,6 +186,7 @@ def gemm(A: torch.Tensor, B: torch.Tensor, out_dtype: Optional[torch.dtype] = No
     """
     _check_operand("A", A, None)
     _check_operand("B", B, A)
+    ti.check_arch("quack.gemm", A.device, "an sm_90 GPU (Hopper's WGMMA)", (9, 0), maximum=(9, 0))
     out_dtype = A.dtype if out_dtype is None else out_dtype
     if out_dtype not in INPUT_DTYPES:
         raise TypeError(f"out_dtype must be torch.bfloat16 or torch.float16, got {out_dtype}")

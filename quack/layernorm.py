@@ -133,22 +133,9 @@ def _layernorm_bwd(
 
 
 def _validate(x, weight, bias) -> None:
-    ti.check_float("x", x)
-    ti.check_cuda("x", x)
-    ti.check_contiguous("x", x)
-    if x.dim() < 1 or x.shape[-1] == 0:
-        raise ValueError(f"x must have shape (..., N) with N >= 1, got {tuple(x.shape)}")
-    n = x.shape[-1]
-    if n > MAX_N:
-        raise ValueError(f"N = {n} is larger than the supported {MAX_N}")
-    for name, t in (("weight", weight), ("bias", bias)):
-        if t is None:
-            continue
-        ti.check_float(name, t, (torch.float32, x.dtype))
-        ti.check_cuda(name, t, x)
-        ti.check_contiguous(name, t)
-        if tuple(t.shape) != (n,):
-            raise ValueError(f"{name} must have shape ({n},), got {tuple(t.shape)}")
+    ti.check_row_input("quack.layernorm", "x", x, MAX_N)
+    ti.check_param("weight", weight, x)
+    ti.check_param("bias", bias, x)
 
 
 def layernorm_fwd(x, weight=None, bias=None, eps=1e-5, store_stats=True):
@@ -208,21 +195,22 @@ def layernorm(x, weight=None, bias=None, eps: float = 1e-5):
     shape or layout, before any launch.
     """
     _validate(x, weight, bias)
-    wants_grad = any(t is not None and t.requires_grad for t in (x, weight, bias))
-    if not torch.compiler.is_compiling() and is_compile_only():
-        return _warm(x, weight, bias, eps, wants_grad)
-    if wants_grad and torch.is_grad_enabled():
+    backward = ti.will_backward(x, weight, bias)
+    if is_compile_only():
+        return _warm(x, weight, bias, eps, backward)
+    if backward:
         return _LayerNormFunction.apply(x, weight, bias, eps)
     return layernorm_fwd(x, weight, bias, eps, store_stats=False)[0]
 
 
 @torch.no_grad()
-def _warm(x, weight, bias, eps, wants_grad):
-    """Compile-only: export the forward kernel, and the backward one when an
-    input requires grad (autograd cannot run on fake CUDA tensors with a
-    CPU-only torch, see quack/testing/autograd.py).  The output carries no graph."""
-    y, mean, rstd = layernorm_fwd(x, weight, bias, eps, store_stats=wants_grad)
-    if wants_grad:
+def _warm(x, weight, bias, eps, backward):
+    """Compile-only: export the kernels the eager call would run: the forward,
+    and the backward when autograd will run one (autograd cannot run on fake
+    CUDA tensors with a CPU-only torch, see quack/testing/autograd.py).  The
+    output carries no graph."""
+    y, mean, rstd = layernorm_fwd(x, weight, bias, eps, store_stats=backward)
+    if backward:
         # The same has_bias as _LayerNormFunction.backward, so the same object.
         has_bias = bias is not None and bias.requires_grad
         layernorm_bwd(x, weight, torch.empty_like(y), mean, rstd, has_bias)

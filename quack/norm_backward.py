@@ -172,8 +172,8 @@ class NormBackward:
             weight = rowwise.broadcast_param(cfg, thr, mW, rank, w_pred)
             if const_expr(self.weight_place == SMEM):
                 sW = smem.allocate_tensor(mW.element_type, cute.make_ordered_layout(cfg.tiler, order=(1, 0)), byte_alignment=16)
+                _stage_param(cfg, tidx, mW, sW, rank, n)
                 weight = thr.partition_D(sW)
-                _stage(cfg, rowwise.broadcast_vector(cfg, thr, mW, rank), weight, w_pred)
             elif const_expr(self.weight_place == REGISTERS):
                 gW = rowwise.broadcast_vector(cfg, thr, mW, rank)
                 weight = cute.make_rmem_tensor_like(gW)
@@ -278,6 +278,19 @@ def _stage_buffer(smem, cfg: RowConfig, thr, dtype, stages: int) -> cute.Tensor:
 def _stage(cfg: RowConfig, src: cute.Tensor, dst: cute.Tensor, pred: cute.Tensor) -> None:
     """Global -> shared for this thread's vectors (``rowwise.stage_atom``)."""
     cute.copy(rowwise.stage_atom(src.element_type, cfg), src, dst, pred=pred)
+
+
+def _stage_param(cfg: RowConfig, tidx, mV: cute.Tensor, sV: cute.Tensor, rank, n) -> None:
+    """Global -> shared for this thread's slice of an (N,) parameter broadcast
+    over the tile, partitioned by a copy of the parameter's own dtype: an fp32
+    weight beside 16-bit rows has two 16-byte ``cp.async`` per vector, and a
+    predicated ``cp.async`` over a partition of x's dtype (one atom per
+    vector) issues only the first of them.  The thread owns the same columns
+    as in x's partition, so it reads back only what it copied."""
+    thr = rowwise.make_row_copy(mV.element_type, cfg).get_slice(tidx)
+    coords, _ = rowwise.tile_coordinates(cfg, thr, 0, rank, 1, n)
+    pred = rowwise.copy_predicate(coords, None, n, not cfg.covers_n_exactly)
+    _stage(cfg, rowwise.broadcast_vector(cfg, thr, mV, rank), thr.partition_D(sV), pred)
 
 
 def _zeroed_like(coords: cute.Tensor) -> cute.Tensor:

@@ -129,20 +129,8 @@ def _rmsnorm_bwd(
 
 
 def _validate(x, weight, residual) -> None:
-    ti.check_float("x", x)
-    ti.check_cuda("x", x)
-    ti.check_contiguous("x", x)
-    if x.dim() < 1 or x.shape[-1] == 0:
-        raise ValueError(f"x must have shape (..., N) with N >= 1, got {tuple(x.shape)}")
-    n = x.shape[-1]
-    if n > MAX_N:
-        raise ValueError(f"N = {n} is larger than the supported {MAX_N}")
-    if weight is not None:
-        ti.check_float("weight", weight, (torch.float32, x.dtype))
-        ti.check_cuda("weight", weight, x)
-        ti.check_contiguous("weight", weight)
-        if tuple(weight.shape) != (n,):
-            raise ValueError(f"weight must have shape ({n},), got {tuple(weight.shape)}")
+    ti.check_row_input("quack.rmsnorm", "x", x, MAX_N)
+    ti.check_param("weight", weight, x)
     if residual is not None:
         ti.check_float("residual", residual, (x.dtype,))
         ti.check_cuda("residual", residual, x)
@@ -208,22 +196,23 @@ def rmsnorm(x, weight=None, eps: float = 1e-6, residual=None):
     dtype and ValueError for a wrong device, shape or layout.
     """
     _validate(x, weight, residual)
-    wants_grad = any(t is not None and t.requires_grad for t in (x, weight, residual))
-    if not torch.compiler.is_compiling() and is_compile_only():
-        return _warm(x, weight, residual, eps, wants_grad)
-    if wants_grad and torch.is_grad_enabled():
+    backward = ti.will_backward(x, weight, residual)
+    if is_compile_only():
+        return _warm(x, weight, residual, eps, backward)
+    if backward:
         return _RMSNormFunction.apply(x, weight, residual, eps)
     y, h, _ = rmsnorm_fwd(x, weight, residual, eps, store_rstd=False)
     return (y, h) if residual is not None else y
 
 
 @torch.no_grad()
-def _warm(x, weight, residual, eps, wants_grad):
-    """Compile-only: export the forward kernel, and the backward one when an
-    input requires grad (autograd itself cannot run on fake CUDA tensors with a
-    CPU-only torch, see quack/testing/autograd.py).  Outputs carry no graph."""
-    y, h, rstd = rmsnorm_fwd(x, weight, residual, eps, store_rstd=wants_grad)
-    if wants_grad:
+def _warm(x, weight, residual, eps, backward):
+    """Compile-only: export the kernels the eager call would run: the forward,
+    and the backward when autograd will run one (autograd itself cannot run on
+    fake CUDA tensors with a CPU-only torch, see quack/testing/autograd.py).
+    Outputs carry no graph."""
+    y, h, rstd = rmsnorm_fwd(x, weight, residual, eps, store_rstd=backward)
+    if backward:
         dh_out = torch.empty_like(h) if h is not None else None
         rmsnorm_bwd(h if h is not None else x, weight, torch.empty_like(y), rstd, dh_out)
     return (y, h) if residual is not None else y

@@ -73,13 +73,7 @@ def _softmax_bwd(y: torch.Tensor, dy: torch.Tensor, dx: torch.Tensor) -> None:
 
 
 def _validate(x) -> None:
-    ti.check_float("x", x)
-    ti.check_cuda("x", x)
-    ti.check_contiguous("x", x)
-    if x.dim() < 1 or x.shape[-1] == 0:
-        raise ValueError(f"x must have shape (..., N) with N >= 1, got {tuple(x.shape)}")
-    if x.shape[-1] > MAX_N:
-        raise ValueError(f"N = {x.shape[-1]} is larger than the supported {MAX_N}")
+    ti.check_row_input("quack.softmax", "x", x, MAX_N)
 
 
 def softmax_fwd(x: torch.Tensor) -> torch.Tensor:
@@ -125,20 +119,22 @@ def softmax(x: torch.Tensor) -> torch.Tensor:
     ValueError for a wrong device, shape or layout, before any launch.
     """
     _validate(x)
-    if not torch.compiler.is_compiling() and is_compile_only():
-        return _warm(x, x.requires_grad)
-    if x.requires_grad and torch.is_grad_enabled():
+    backward = ti.will_backward(x)
+    if is_compile_only():
+        return _warm(x, backward)
+    if backward:
         return _SoftmaxFunction.apply(x)
     return softmax_fwd(x)
 
 
 @torch.no_grad()
-def _warm(x, wants_grad):
-    """Compile-only: export the forward kernel, and the backward one when x
-    requires grad (autograd cannot run on fake CUDA tensors with a CPU-only
-    torch, see quack/testing/autograd.py).  The output carries no graph."""
+def _warm(x, backward):
+    """Compile-only: export the kernels the eager call would run: the forward,
+    and the backward when autograd will run one (autograd cannot run on fake
+    CUDA tensors with a CPU-only torch, see quack/testing/autograd.py).  The
+    output carries no graph."""
     y = softmax_fwd(x)
-    if wants_grad:
+    if backward:
         softmax_bwd(y, torch.empty_like(y))
     return y
 

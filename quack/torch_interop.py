@@ -12,7 +12,7 @@ import torch
 from cutlass import BFloat16, Float16, Float32
 
 from quack import rowwise
-from quack.compile_only import is_compile_only
+from quack.compile_only import grad_enabled, is_compile_only
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -20,6 +20,8 @@ _CUTE_DTYPES = {"float32": Float32, "float16": Float16, "bfloat16": BFloat16}
 _DTYPE_NAMES = {d: str(d).removeprefix("torch.") for d in (*FLOAT_DTYPES, torch.int32, torch.int64)}
 _FakeTensor = torch._subclasses.fake_tensor.FakeTensor
 _SM_COUNTS: dict[int, int] = {}
+# Rows are indexed with 32-bit integers in every kernel (grid, statistics, targets).
+MAX_ROWS = 2**31 - 1
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -46,6 +48,13 @@ def vector_width(n: int, x: torch.Tensor, *others: torch.Tensor | None) -> int:
         if not addresses & 15:
             return math.gcd(n, 16 // x.element_size())
     return rowwise.vector_width(n, x.element_size(), *((address(t), t.element_size()) for t in present))
+
+
+def will_backward(*tensors: torch.Tensor | None) -> bool:
+    """Will autograd run this call's backward?  Some input requires grad and
+    grad mode is on (``compile_only.grad_enabled``): the one rule by which an
+    eager call chooses its kernels and compile-only mode warms them."""
+    return any(t is not None and t.requires_grad for t in tensors) and grad_enabled()
 
 
 def address(t: torch.Tensor) -> int:
@@ -109,6 +118,81 @@ def check_cuda(name: str, t: torch.Tensor, like: torch.Tensor | None = None) -> 
 def check_contiguous(name: str, t: torch.Tensor) -> None:
     if not t.is_contiguous():
         raise ValueError(f"{name} must be contiguous (got strides {tuple(t.stride())})")
+
+
+def check_param(name: str, t: torch.Tensor | None, x: torch.Tensor) -> None:
+    """A norm's (N,) parameter (weight, bias), if given: fp32 or x's dtype,
+    contiguous, on x's device."""
+    if t is None:
+        return
+    check_float(name, t, (torch.float32, x.dtype))
+    check_cuda(name, t, x)
+    check_contiguous(name, t)
+    if tuple(t.shape) != (x.shape[-1],):
+        raise ValueError(f"{name} must have shape ({x.shape[-1]},), got {tuple(t.shape)}")
+
+
+def check_rows(name: str, m: int) -> None:
+    """At most ``MAX_ROWS`` rows: the kernels index rows with 32-bit integers."""
+    if m > MAX_ROWS:
+        raise ValueError(f"{name} has {m} rows; the kernels index rows with 32 bits (at most 2^31 - 1 rows)")
+
+
+def arch_capability(arch: str) -> tuple[int, int]:
+    """(major, minor) of an arch string: "sm_90a" -> (9, 0), "sm_100a" -> (10, 0)."""
+    digits = arch.removeprefix("sm_").rstrip("abf")
+    if not digits.isdigit() or len(digits) < 2:
+        raise ValueError(f"not a GPU arch: {arch!r} (expected sm_XY, e.g. sm_90a)")
+    return int(digits[:-1]), int(digits[-1])
+
+
+_CAPABILITIES: dict[int, tuple[int, int]] = {}
+
+
+@torch.compiler.assume_constant_result
+def _capability(index: int) -> tuple[int, int]:
+    """(major, minor) compute capability of GPU ``index``, asked once."""
+    cc = _CAPABILITIES.get(index)
+    if cc is None:
+        cc = _CAPABILITIES[index] = tuple(torch.cuda.get_device_capability(index))
+    return cc
+
+
+def check_arch(op: str, device: torch.device, needs: str, minimum: tuple[int, int], maximum=None) -> None:
+    """Refuse, before any compile or launch, a GPU the op's kernels cannot run
+    on: compute capability below ``minimum`` or above ``maximum``.  In
+    compile-only mode the GPU is the compile target (``QUACK_ARCH``)."""
+    if is_compile_only():
+        from quack.cache import current_arch
+
+        arch = current_arch()
+        capability = arch_capability(arch)
+    else:
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        capability = _capability(index)
+    if capability >= minimum and (maximum is None or capability <= maximum):
+        return
+    if is_compile_only():
+        where = f"the compile target QUACK_ARCH={arch}"
+    else:
+        where = f"cuda:{index} ({torch.cuda.get_device_name(index)}) is sm_{capability[0]}{capability[1]}"
+    raise ValueError(f"{op} needs {needs}; {where}")
+
+
+def check_row_input(op: str, name: str, x: torch.Tensor, max_n: int) -> None:
+    """The (..., N) input of a row-wise op: a contiguous float CUDA tensor,
+    1 <= N <= ``max_n``, at most ``MAX_ROWS`` rows, on an sm_90 or newer GPU
+    (the kernels use thread block clusters, DSMEM and mbarriers)."""
+    check_float(name, x)
+    check_cuda(name, x)
+    check_contiguous(name, x)
+    if x.dim() < 1 or x.shape[-1] == 0:
+        raise ValueError(f"{name} must have shape (..., N) with N >= 1, got {tuple(x.shape)}")
+    n = x.shape[-1]
+    if n > max_n:
+        raise ValueError(f"N = {n} is larger than the supported {max_n}")
+    check_rows(name, x.numel() // n)
+    check_arch(op, x.device, "an sm_90 (Hopper) or newer GPU (its kernels use thread block clusters)", (9, 0))
 
 
 def partial_rows(rows: int, n: int, device: torch.device, m: int) -> torch.Tensor:

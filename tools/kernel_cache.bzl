@@ -55,6 +55,7 @@ def _kernel_cache_impl(ctx):
             "PYTHONHASHSEED": "0",
             "PYTHONPATH": ".",  # the execroot: `import quack`
             "QUACK_ARCH": ctx.attr.arch,
+            "QUACK_MATRIX": ctx.attr.matrix,  # which cases of the tests' correctness matrices run
             "QUACK_REQUIRE_PINNED_ENV": "1",
         },
         mnemonic = "QuackWarmCache",
@@ -74,6 +75,11 @@ kernel_cache = rule(
         "data": attr.label_list(allow_files = True, doc = "Other inputs the run reads (pytest configuration)."),
         "family": attr.string(mandatory = True, doc = "Kernel family (module quack/<family>.py)."),
         "lock": attr.label(mandatory = True, allow_single_file = True, doc = "The Python lock file."),
+        "matrix": attr.string(
+            default = "ci",
+            values = ["ci", "full"],
+            doc = "Cases of the tests' correctness matrices (quack/testing/matrix.py): the CI covering array or the full product.",
+        ),
         "srcs": attr.label_list(mandatory = True, allow_files = [".py"], doc = "The family's module plus the shared modules."),
         "tests": attr.label_list(allow_files = [".py"], doc = "Test files that warm the family."),
         "warm_cache": attr.label(mandatory = True, allow_single_file = [".py"], doc = "tools/warm_cache.py."),
@@ -99,7 +105,7 @@ kernel_cache_set = rule(
     },
 )
 
-def kernel_caches(*, name, families = KERNEL_FAMILIES, shared_srcs, family_srcs, tests, configs, lock, warm_cache, data = [], arch = "sm_90a"):
+def kernel_caches(*, name, families = KERNEL_FAMILIES, shared_srcs, family_srcs, tests, configs, lock, warm_cache, data = [], arch = "sm_90a", matrix = "ci"):
     """One `kernel_cache` per family, `<name>_<family>`, and their union `<name>`.
 
     Args:
@@ -113,6 +119,7 @@ def kernel_caches(*, name, families = KERNEL_FAMILIES, shared_srcs, family_srcs,
       warm_cache: tools/warm_cache.py.
       data: other files each run reads (pytest configuration).
       arch: GPU arch, default sm_90a.
+      matrix: "ci" (the covering array of each test's correctness matrix) or "full" (every case).
     """
     if not families:
         fail("kernel_caches(name = %r): no kernel families" % name)
@@ -128,6 +135,7 @@ def kernel_caches(*, name, families = KERNEL_FAMILIES, shared_srcs, family_srcs,
             data = data,
             family = family,
             lock = lock,
+            matrix = matrix,
             srcs = shared_srcs + family_srcs[family],
             tests = tests[family],
             warm_cache = warm_cache,

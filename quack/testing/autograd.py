@@ -15,7 +15,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from quack.compile_only import is_compile_only
+from quack.compile_only import is_compile_only, warming_gradients
 
 
 def vjp(fn: Callable, inputs: Sequence[torch.Tensor], cotangents: Sequence[torch.Tensor] | Callable):
@@ -26,9 +26,9 @@ def vjp(fn: Callable, inputs: Sequence[torch.Tensor], cotangents: Sequence[torch
     """
     inputs = [t.detach().requires_grad_() for t in inputs]
     if is_compile_only():
-        # Inputs require grad (so ops warm their backward kernels), but no
-        # graph is built: that is what would abort.
-        with torch.no_grad():
+        # No graph is built (that is what would abort), but the ops warm the
+        # backward kernels a real gradient would run.
+        with torch.no_grad(), warming_gradients():
             outputs = _as_tuple(fn(*inputs))
         return outputs, tuple(torch.zeros_like(t) for t in inputs)
     outputs = _as_tuple(fn(*inputs))

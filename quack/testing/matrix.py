@@ -1,0 +1,284 @@
+"""Correctness matrices: an op's options declared once, as a table, and crossed.
+
+A table maps each axis (an option of the op, or a size class) to its values.
+Tests parametrize over ``cases(table, ...)``, so a value added to one axis is
+crossed with every other axis without touching a test.  Which cases run:
+
+* ``QUACK_MATRIX=full``: the whole product (the GPU run, and the
+  ``//quack:warm_cache_full`` objects);
+* otherwise (``ci``, the default): a covering array of the same table, in
+  which every value of every axis appears at least once and every pair of
+  values of the ``paired`` axes appears together in some case.  CI and
+  ``//quack:warm_cache`` use it.
+
+The tolerance rule (``assert_matches_reference``), the same for every op,
+output and gradient: the reference is the op evaluated in float64 on the same
+inputs; the error of a result is its largest absolute difference from the
+reference; ours may err at most twice as much as torch's own implementation
+of the op in the input's dtype, plus a floor of one unit in the last place of
+the result's dtype at the reference's largest magnitude (which matters only
+where torch is exact, e.g. a result that is exactly zero).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from typing import Iterable, Sequence
+
+import torch
+
+MATRIX_ENV = "QUACK_MATRIX"
+# The floor, relative to the reference's largest magnitude (at least 1): one
+# fp32 unit in the last place.
+FLOOR = 2.0**-23
+
+
+def selection() -> str:
+    """``full`` or ``ci`` (QUACK_MATRIX; anything but ``full`` means ``ci``)."""
+    return "full" if os.environ.get(MATRIX_ENV, "") == "full" else "ci"
+
+
+def cases(table: dict[str, Sequence], paired: Iterable[str], which: str | None = None) -> list[dict]:
+    """The cases of ``table`` to run: its full product (``which`` = "full") or
+    a covering array (``covering``); ``which`` defaults to ``selection()``."""
+    if (which or selection()) == "full":
+        names = list(table)
+        return [dict(zip(names, combo)) for combo in itertools.product(*table.values())]
+    return covering(table, paired)
+
+
+def covering(table: dict[str, Sequence], paired: Iterable[str]) -> list[dict]:
+    """A small set of cases in which every value of every axis occurs and every
+    pair of values of two ``paired`` axes occurs together (greedy and
+    deterministic: each case starts from the first pair not yet covered and
+    fills the other axes with the values that cover the most new pairs, then
+    the least used ones, so unpaired axes such as size classes vary too)."""
+    names = list(table)
+    paired = [a for a in names if a in set(paired)]
+    todo = {
+        ((a, i), (b, j))
+        for a, b in itertools.combinations(paired, 2)
+        for i in range(len(table[a]))
+        for j in range(len(table[b]))
+    }
+    singles = {(a, i) for a in names for i in range(len(table[a]))}
+    used = {(a, i): 0 for a in names for i in range(len(table[a]))}
+    out = []
+    while todo or singles:
+        if todo:
+            first = min(todo, key=lambda p: (names.index(p[0][0]), p[0][1], names.index(p[1][0]), p[1][1]))
+            chosen = dict(first)
+        else:
+            a, i = min(singles, key=lambda s: (names.index(s[0]), s[1]))
+            chosen = {a: i}
+        for axis in names:
+            if axis in chosen:
+                continue
+
+            def gain(i, axis=axis):
+                new = sum(
+                    tuple(sorted(((axis, i), (b, j)), key=lambda s: names.index(s[0]))) in todo
+                    for b, j in chosen.items()
+                )
+                return (new, (axis, i) in singles, -used[axis, i], -i)
+
+            chosen[axis] = max(range(len(table[axis])), key=gain)
+        picked = sorted(chosen.items(), key=lambda s: names.index(s[0]))
+        todo -= {(p, q) for p, q in itertools.combinations(picked, 2)}
+        singles -= set(picked)
+        for p in picked:
+            used[p] += 1
+        out.append({a: table[a][i] for a, i in picked})
+    return out
+
+
+def case_id(case: dict) -> str:
+    """A readable pytest id: ``dtype=bfloat16-n=760-...``."""
+    def show(v):
+        if isinstance(v, torch.dtype):
+            return str(v).removeprefix("torch.")
+        return str(v)
+
+    return "-".join(f"{k}={show(v)}" for k, v in case.items())
+
+
+def max_error(result: torch.Tensor, reference: torch.Tensor) -> float:
+    """Largest |result - reference| (NaNs where both are NaN count as equal)."""
+    diff = (result.double() - reference.double()).abs()
+    both_nan = result.isnan() & reference.isnan()
+    diff = torch.where(both_nan, torch.zeros_like(diff), diff)
+    return float(diff.max()) if diff.numel() else 0.0
+
+
+def tolerance(reference: torch.Tensor, torch_result: torch.Tensor) -> float:
+    """The rule above: 2 * (torch's error) + the floor."""
+    finite = reference[reference.isfinite()]
+    scale = float(finite.abs().max()) if finite.numel() else 0.0
+    return 2.0 * max_error(torch_result, reference) + FLOOR * max(scale, 1.0)
+
+
+def assert_matches_reference(
+    name: str, result: torch.Tensor, reference: torch.Tensor, torch_result: torch.Tensor
+) -> None:
+    """Check one output or gradient with the rule above (shapes, NaN positions
+    and values, through ``torch.testing.assert_close``)."""
+    assert result.shape == reference.shape, f"{name}: shape {tuple(result.shape)} != {tuple(reference.shape)}"
+    atol = tolerance(reference, torch_result)
+    torch.testing.assert_close(
+        result.double(), reference.double(), atol=atol, rtol=0, equal_nan=True,
+        msg=lambda m: f"{name}: {m}\n(tolerance {atol:.3g} = 2 x torch's error "
+        f"{max_error(torch_result, reference):.3g} + an fp32 ulp at the largest value)",
+    )
+
+
+# --------------------------------------------------------------------------
+# Running one case: ours, the float64 reference and torch's implementation.
+# --------------------------------------------------------------------------
+
+# How a case asks for gradients: ``mode`` axis values of the op tables.
+INFERENCE = "no_grad"  # under torch.no_grad(), every input requiring grad (as Parameters do)
+EVAL = "eval"  # grad mode on, nothing requires grad
+MODES = (INFERENCE, EVAL, "grad_x", "grad_params", "grad_all")
+
+
+def requires_grad(mode: str, name: str, params: Sequence[str]) -> bool:
+    """Does input ``name`` require grad in ``mode``?  ``params``: the op's
+    parameter inputs (weight, bias); every other input is an activation."""
+    if mode == EVAL:
+        return False
+    if mode in (INFERENCE, "grad_all"):
+        return True
+    return (name in params) == (mode == "grad_params")
+
+
+def _with_grad_flags(inputs: dict, grads: Sequence[str]) -> dict:
+    return {
+        k: v.detach().requires_grad_(k in grads) if isinstance(v, torch.Tensor) and v.is_floating_point() else v
+        for k, v in inputs.items()
+    }
+
+
+def evaluate(fn, inputs: dict, grads: Sequence[str], cotangents, no_grad: bool = False):
+    """(outputs, {name: gradient}, cotangents): ``fn(**inputs)`` as a tuple and
+    the gradients of sum(output * cotangent) with respect to the inputs named
+    in ``grads``.  ``cotangents``: a list, or a callable that builds it from
+    the outputs.  Under ``no_grad`` the call runs in torch.no_grad() and
+    nothing is differentiated."""
+    inputs = _with_grad_flags(inputs, grads)
+    if no_grad:
+        with torch.no_grad():
+            return _as_tuple(fn(**inputs)), {}, None
+    outputs = _as_tuple(fn(**inputs))
+    wanted = [k for k in grads if inputs.get(k) is not None]
+    if not wanted:
+        return tuple(o.detach() for o in outputs), {}, None
+    cots = cotangents(outputs) if callable(cotangents) else cotangents
+    pairs = [(o, c) for o, c in zip(outputs, cots) if o.requires_grad]
+    got = torch.autograd.grad([o for o, _ in pairs], [inputs[k] for k in wanted], [c for _, c in pairs])
+    return tuple(o.detach() for o in outputs), dict(zip(wanted, got)), cots
+
+
+def warm(fn, inputs: dict, grads: Sequence[str], no_grad: bool) -> None:
+    """Compile-only: make the call the GPU run makes, so every kernel it needs
+    is exported (``compile_only.warming_gradients`` stands in for autograd,
+    which cannot run on fake CUDA tensors with a CPU-only torch)."""
+    from quack.compile_only import warming_gradients
+
+    inputs = _with_grad_flags(inputs, grads)
+    with torch.no_grad():
+        if no_grad:
+            fn(**inputs)
+        else:
+            with warming_gradients():
+                fn(**inputs)
+
+
+def check_case(ours, reference, torch_impl, inputs: dict, params: Sequence[str], mode: str, cotangents) -> None:
+    """Run one matrix case on the GPU and check every output and gradient with
+    ``assert_matches_reference``; under compile-only, only ``warm``.
+
+    ``reference`` gets the floating-point inputs in float64; ``torch_impl``
+    gets them with each parameter (``params``) cast to the activations' dtype:
+    torch's implementation "in the same dtype".  ``cotangents(outputs)``
+    builds the cotangents from our outputs (random, never all ones: a zero
+    gradient must not pass by accident)."""
+    from quack.compile_only import is_compile_only
+
+    grads = [k for k, v in inputs.items() if v is not None and requires_grad(mode, k, params)]
+    no_grad = mode == INFERENCE
+    if is_compile_only():
+        warm(ours, inputs, grads, no_grad)
+        return
+    floats = [k for k, v in inputs.items() if isinstance(v, torch.Tensor) and v.is_floating_point()]
+    act_dtype = next(inputs[k].dtype for k in floats if k not in params)
+    out, got, cots = evaluate(ours, inputs, grads, cotangents, no_grad)
+    if no_grad:
+        assert not any(o.requires_grad for o in out), "an output of a call under torch.no_grad() requires grad"
+    as64 = {k: v.double() if k in floats else v for k, v in inputs.items()}
+    as_dtype = {k: v.to(act_dtype) if k in floats and k in params else v for k, v in inputs.items()}
+    cots64 = None if cots is None else [c.double() for c in cots]
+    ref_out, ref_grads, _ = evaluate(reference, as64, list(got), cots64)
+    torch_out, torch_grads, _ = evaluate(torch_impl, as_dtype, list(got), cots)
+    assert len(out) == len(ref_out), f"{len(out)} outputs, the reference has {len(ref_out)}"
+    for i, (o, r, t) in enumerate(zip(out, ref_out, torch_out)):
+        assert o.dtype == t.dtype, f"output {i} has dtype {o.dtype}, torch's {t.dtype}"
+        assert_matches_reference(f"output {i}", o, r, t)
+    for k in got:
+        assert got[k].dtype == inputs[k].dtype, f"grad of {k} has dtype {got[k].dtype}, {k} {inputs[k].dtype}"
+        assert_matches_reference(f"grad of {k}", got[k], ref_grads[k], torch_grads[k])
+
+
+def _as_tuple(value) -> tuple:
+    return tuple(value) if isinstance(value, (tuple, list)) else (value,)
+
+
+# --------------------------------------------------------------------------
+# Size classes of the row-wise ops (RMSNorm, LayerNorm, softmax, cross-entropy).
+# --------------------------------------------------------------------------
+
+# N: one column; odd (element copies of 16-bit rows); 4-, 2- and 8-element
+# vectors of 16-bit rows (100, 1026, 760: the last also not a power of two);
+# the largest single-CTA rows; each cluster size of the forwards (2 at 32K
+# ... 16 at 256K) and the backwards (2 at 16K ... 16 at 128K and 256K); the
+# largest N.
+ROW_N = (1, 7, 100, 760, 1026, 4096, 16384, 32768, 65536, 131072, 262144)
+# M: one row; odd; a multiple of every row tile; enough rows that every CTA
+# of a persistent backward grid loops over several row tiles.
+ROW_M = ("one", "odd", "tile_multiple", "loops")
+# Leading dimensions: x as (M, N), or with a batch dimension before the rows.
+LEAD = ("2d", "3d")
+_SMS = 132  # an H100/H200's; more SMs only add rows to "loops", never fewer loops
+
+
+def rows(m_class: str, n: int, dtype: torch.dtype) -> int:
+    """The number of rows of an M class at this N and dtype."""
+    from quack import norm_backward, rowwise
+
+    if m_class == "one":
+        return 1
+    if m_class == "odd":
+        return 37
+    if m_class == "tile_multiple":
+        return 64
+    elem = torch.empty((), dtype=dtype).element_size()
+    cfg = rowwise.backward_config(n, rowwise.vector_width(n, elem))
+    # At most THREADS_PER_SM // threads CTAs of a backward fit on an SM.
+    resident_tiles = _SMS * (norm_backward.THREADS_PER_SM // cfg.threads) // cfg.cluster_n
+    return 3 * resident_tiles * cfg.rows_per_cta + 5
+
+
+def row_shape(m: int, n: int, lead: str) -> tuple[int, ...]:
+    """(M, N), or (2, M / 2, N) / (1, M, N) with a leading batch dimension."""
+    if lead == "2d":
+        return (m, n)
+    return (2, m // 2, n) if m % 2 == 0 else (1, m, n)
+
+
+def compiled(fn):
+    """``torch.compile(fn, fullgraph=True)``; under compile-only ``fn`` itself:
+    Dynamo cannot trace fake tensors there, and the eager call warms the same
+    kernels that the compiled graph launches (it calls the registered ops)."""
+    from quack.compile_only import is_compile_only
+
+    return fn if is_compile_only() else torch.compile(fn, fullgraph=True)

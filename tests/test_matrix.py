@@ -1,0 +1,94 @@
+"""The correctness-matrix machinery (quack/testing/matrix.py), on the CPU."""
+
+import itertools
+
+import pytest
+import torch
+
+from quack.testing import matrix
+
+TABLE = {
+    "dtype": ["fp32", "fp16", "bf16"],
+    "flag": [False, True],
+    "mode": ["a", "b", "c", "d"],
+    "n": list(range(7)),
+    "m": ["one", "odd", "many"],
+}
+PAIRED = ["dtype", "flag", "mode", "n"]
+
+
+def test_covering_has_every_pair_of_paired_axes_and_every_value():
+    cases = matrix.covering(TABLE, PAIRED)
+    for a, b in itertools.combinations(PAIRED, 2):
+        assert {(c[a], c[b]) for c in cases} == set(itertools.product(TABLE[a], TABLE[b])), (a, b)
+    for axis, values in TABLE.items():
+        assert {c[axis] for c in cases} == set(values), axis
+    # Far fewer than the product (504), no more than a few times the largest pair product.
+    assert len(cases) <= 2 * len(TABLE["n"]) * len(TABLE["mode"])
+    assert matrix.covering(TABLE, PAIRED) == cases  # deterministic
+
+
+def test_full_selection_is_the_product(monkeypatch):
+    monkeypatch.setenv(matrix.MATRIX_ENV, "full")
+    cases = matrix.cases(TABLE, PAIRED)
+    assert len(cases) == 3 * 2 * 4 * 7 * 3
+    assert len({tuple(c.values()) for c in cases}) == len(cases)
+    monkeypatch.setenv(matrix.MATRIX_ENV, "ci")
+    assert matrix.cases(TABLE, PAIRED) == matrix.covering(TABLE, PAIRED)
+
+
+def _rounded(reference, dtype):
+    return reference.to(dtype).to(reference.dtype)
+
+
+def test_tolerance_rule_accepts_torch_like_error_and_refuses_more():
+    torch.manual_seed(0)
+    reference = torch.randn(1000, dtype=torch.float64)
+    torch_result = _rounded(reference, torch.bfloat16).to(torch.bfloat16)
+    ours = torch_result.clone()
+    matrix.assert_matches_reference("same as torch", ours, reference, torch_result)
+    wrong = ours.clone()
+    wrong[500:] = 0  # half the values wrong, as the mixed-precision backward was
+    with pytest.raises(AssertionError, match="2 x torch's error"):
+        matrix.assert_matches_reference("half wrong", wrong, reference, torch_result)
+    slightly = ours.double() + 3 * matrix.max_error(torch_result, reference)
+    with pytest.raises(AssertionError):
+        matrix.assert_matches_reference("3x torch's error", slightly.to(torch.bfloat16), reference, torch_result)
+
+
+def test_tolerance_floor_where_the_result_is_exactly_zero():
+    zero = torch.zeros(10, dtype=torch.float64)
+    matrix.assert_matches_reference("zeros", torch.zeros(10), zero, torch.zeros(10))
+    with pytest.raises(AssertionError):
+        matrix.assert_matches_reference("not zero", torch.full((10,), 1e-3), zero, torch.zeros(10))
+
+
+def test_nan_positions_must_match():
+    ref = torch.tensor([float("nan"), 1.0], dtype=torch.float64)
+    matrix.assert_matches_reference("nan", torch.tensor([float("nan"), 1.0]), ref, ref.float())
+    with pytest.raises(AssertionError):
+        matrix.assert_matches_reference("no nan", torch.tensor([0.0, 1.0]), ref, ref.float())
+
+
+@pytest.mark.parametrize("mode, expected", [
+    (matrix.INFERENCE, {"x", "weight"}), (matrix.EVAL, set()), ("grad_x", {"x"}),
+    ("grad_params", {"weight"}), ("grad_all", {"x", "weight"}),
+])
+def test_modes_choose_which_inputs_require_grad(mode, expected):
+    assert {k for k in ("x", "weight") if matrix.requires_grad(mode, k, ("weight",))} == expected
+
+
+def test_row_classes():
+    assert matrix.rows("one", 4096, torch.bfloat16) == 1
+    assert matrix.rows("odd", 4096, torch.bfloat16) % 2 == 1
+    # "loops": more row tiles than a full persistent backward grid holds, at every N.
+    from quack import norm_backward, rowwise
+
+    for n in matrix.ROW_N:
+        for dtype in (torch.float32, torch.bfloat16):
+            elem = torch.empty((), dtype=dtype).element_size()
+            cfg = rowwise.backward_config(n, rowwise.vector_width(n, elem))
+            grid = 132 * (norm_backward.THREADS_PER_SM // cfg.threads) // cfg.cluster_n
+            assert matrix.rows("loops", n, dtype) > 2 * grid * cfg.rows_per_cta
+    assert matrix.row_shape(64, 8, "3d") == (2, 32, 8)
+    assert matrix.row_shape(37, 8, "3d") == (1, 37, 8)
