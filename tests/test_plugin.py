@@ -48,7 +48,8 @@ def run(pytester):
     return run
 
 
-def test_gpu_tests_skip_without_a_gpu(run):
+def test_gpu_tests_skip_without_a_gpu(run, monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # no GPU visible, also on a GPU machine
     result = run("-rs")
     result.assert_outcomes(skipped=3)
     result.stdout.fnmatch_lines(["*needs a CUDA GPU (none visible)*"])

@@ -31,22 +31,31 @@ ce_mod, ln_mod, rms_mod, sm_mod = (
 def kernels(m: int, n: int, dtype: torch.dtype) -> dict:
     """name -> (launcher, bytes moved) for one shape."""
     x = torch.randn(m, n, device="cuda", dtype=dtype)
-    w = torch.randn(n, device="cuda", dtype=dtype)
     dy = torch.randn_like(x)
     target = torch.randint(0, n, (m,), device="cuda")
     y = sm_mod.softmax_fwd(x)
-    _, _, rstd = rms_mod.rmsnorm_fwd(x, w)
-    _, mean, ln_rstd = ln_mod.layernorm_fwd(x, w, w)
     two = 2 * x.numel() * x.element_size()  # one (M, N) tensor in, one out
-    return {
+    cases = {
         "softmax fwd": (lambda: sm_mod.softmax_fwd(x), two),
         "softmax bwd": (lambda: sm_mod.softmax_bwd(y, dy), 3 * two // 2),
         "cross-entropy fwd": (lambda: ce_mod.cross_entropy_fwd(x, target), two // 2),
-        "layernorm fwd": (lambda: ln_mod.layernorm_fwd(x, w, w, store_stats=False), two),
-        "layernorm bwd": (lambda: ln_mod.layernorm_bwd(x, w, dy, mean, ln_rstd, True), 3 * two // 2),
-        "rmsnorm fwd": (lambda: rms_mod.rmsnorm_fwd(x, w), two),
-        "rmsnorm bwd": (lambda: rms_mod.rmsnorm_bwd(x, w, dy, rstd), 3 * two // 2),
     }
+    # The norms with a weight (and bias) of x's dtype, and with fp32 ones
+    # beside 16-bit activations (the usual mixed-precision setup).
+    weight_dtypes = {"": dtype} if dtype == torch.float32 else {"": dtype, " w32": torch.float32}
+    for tag, w_dtype in weight_dtypes.items():
+        w = torch.randn(n, device="cuda", dtype=w_dtype)
+        _, _, rstd = rms_mod.rmsnorm_fwd(x, w)
+        _, mean, ln_rstd = ln_mod.layernorm_fwd(x, w, w)
+        cases.update({
+            f"layernorm fwd{tag}": (lambda w=w: ln_mod.layernorm_fwd(x, w, w, store_stats=False), two),
+            f"layernorm bwd{tag}": (
+                lambda w=w, mean=mean, s=ln_rstd: ln_mod.layernorm_bwd(x, w, dy, mean, s, True), 3 * two // 2
+            ),
+            f"rmsnorm fwd{tag}": (lambda w=w: rms_mod.rmsnorm_fwd(x, w), two),
+            f"rmsnorm bwd{tag}": (lambda w=w, s=rstd: rms_mod.rmsnorm_bwd(x, w, dy, s), 3 * two // 2),
+        })
+    return cases
 
 
 def main() -> None:
