@@ -128,7 +128,7 @@ def _good_members(fake):
         ("directory", "not a regular file"),
         ("unexpected", "unexpected bundle member"),
         ("tampered_object", "does not match the bundle manifest"),
-        ("tampered_consistently", "sidecar"),
+        ("tampered_consistently", "does not match its sidecar"),
         ("no_manifest", "no manifest.json"),
         ("unlisted", "disagree"),
         ("not_a_tar", "cannot read bundle"),

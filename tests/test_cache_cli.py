@@ -166,7 +166,9 @@ def test_untrusted_writable_layer_is_flagged_and_not_modified(fake, capsys):
 
 def test_module_entry_point_and_console_script(tmp_path):
     """`python -m quack.cache` runs as a program; pyproject's `quack-cache` names `console_main`."""
-    env = dict(os.environ, QUACK_CACHE_DIR=str(tmp_path / "c"), PYTHONPATH=str(REPO))
+    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    env = dict(os.environ, QUACK_CACHE_DIR=str(tmp_path / "c"), PYTHONPATH=path)
+    env.pop("QUACK_CACHE_MAX_SIZE", None)
     env.pop("QUACK_CACHE_PATH", None)
     ok = subprocess.run([sys.executable, "-m", "quack.cache", "stats", "--json"], env=env,
                         capture_output=True, text=True, timeout=120)
@@ -175,5 +177,5 @@ def test_module_entry_point_and_console_script(tmp_path):
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "not a size" in bad.stderr and "Traceback" not in bad.stderr
     scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
-    module, _, attr = scripts["quack-cache"].partition(":")
-    assert module == "quack.cache.cli" and callable(getattr(cli, attr))
+    assert scripts["quack-cache"] == "quack.cache.cli:console_main"
+    assert callable(cli.console_main)

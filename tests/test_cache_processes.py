@@ -27,7 +27,9 @@ _WORKER = textwrap.dedent(
     barrier, parties = Path(os.environ["BARRIER"]), int(os.environ["PARTIES"])
     (barrier / str(os.getpid())).touch()
     deadline = time.monotonic() + 120
-    while len(list(barrier.iterdir())) < parties and time.monotonic() < deadline:
+    while len(list(barrier.iterdir())) < parties:
+        if time.monotonic() > deadline:
+            sys.exit("the other workers never arrived: the processes did not race")
         time.sleep(0.01)
     if os.environ.get("COMPILE_ONLY"):
         with compile_only_mode():
@@ -45,7 +47,8 @@ _WORKER = textwrap.dedent(
 def _env(tmp, checkout, cache_dir, parties=1, **extra):
     env = dict(os.environ)
     env.update(
-        PYTHONPATH=os.pathsep.join([str(checkout), str(REPO)]),
+        # The parent's path last: on the GPU machine the CuTe DSL is only found through it.
+        PYTHONPATH=os.pathsep.join(filter(None, [str(checkout), str(REPO), os.environ.get("PYTHONPATH")])),
         QUACK_CACHE_DIR=str(cache_dir),
         QUACK_TEST_COMPILE_LOG=str(tmp / "compiles.log"),
         BARRIER=str(tmp / f"barrier-{cache_dir.name}"),
@@ -53,7 +56,7 @@ def _env(tmp, checkout, cache_dir, parties=1, **extra):
         CUTE_DSL_DISABLE_FILE_CACHING="1",  # really compile; no DSL-level IR cache
         **extra,
     )
-    for name in ("QUACK_CACHE_PATH", "QUACK_CACHE_STRICT", "QUACK_ARCH"):
+    for name in ("QUACK_CACHE_PATH", "QUACK_CACHE_STRICT", "QUACK_ARCH", "QUACK_CACHE_MAX_SIZE"):
         env.pop(name, None)
     Path(env["BARRIER"]).mkdir(exist_ok=True)
     return env

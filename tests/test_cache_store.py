@@ -140,7 +140,9 @@ def test_bad_entry_warns_once(cache_env, caplog):
         compile_add(64)
         _truncate(cache_env)
         jitmod._MEMORY.clear()  # forget the handle, keep the warned set
+        jitmod._RECENT.clear()
         compile_add(64)
+    assert quack.cache.stats()["bad_entries"] == 2  # the damaged entry was really read twice
     assert caplog.text.count("bad cache entry") == 1
 
 

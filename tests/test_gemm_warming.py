@@ -12,7 +12,7 @@ from cache_fixtures.env import cache_env  # noqa: F401  (fixture)
 
 import quack
 from quack.compile_only import compile_only_mode
-from quack.gemm import candidate_configs
+from quack.gemm import LARGE_GROUP_ROWS, candidate_configs, gemm_config
 
 
 def _configs_in(layer):
@@ -33,3 +33,12 @@ def test_sentinel_sized_varlen_call_exports_every_candidate(cache_env):  # noqa:
                       + [(False, tuple(c)) for c in candidate_configs(False)])
     assert _configs_in(cache_env.writable) == expected
     assert len(candidate_configs(True)) == 4 and len(candidate_configs(False)) == 2
+
+
+def test_candidates_hold_every_config_the_heuristic_picks():
+    # The candidates come from the heuristic's own code: sweep the heuristic
+    # over N and group sizes, so a configuration outside them cannot hide.
+    for n in range(8, 4104, 8):
+        assert gemm_config(n) in candidate_configs(False), n
+        for rows in (0.5, 1, 100, LARGE_GROUP_ROWS - 1, LARGE_GROUP_ROWS, 1e9):
+            assert gemm_config(n, rows) in candidate_configs(True), (n, rows)

@@ -49,7 +49,7 @@ def test_tolerance_rule_accepts_torch_like_error_and_refuses_more():
     matrix.assert_matches_reference("same as torch", ours, reference, torch_result)
     wrong = ours.clone()
     wrong[500:] = 0  # half the values wrong, as the mixed-precision backward was
-    with pytest.raises(AssertionError, match="2 x torch's error"):
+    with pytest.raises(AssertionError, match="2 x torch's largest error"):
         matrix.assert_matches_reference("half wrong", wrong, reference, torch_result)
     slightly = ours.double() + 3 * matrix.max_error(torch_result, reference)
     with pytest.raises(AssertionError):
@@ -81,14 +81,99 @@ def test_modes_choose_which_inputs_require_grad(mode, expected):
 def test_row_classes():
     assert matrix.rows("one", 4096, torch.bfloat16) == 1
     assert matrix.rows("odd", 4096, torch.bfloat16) % 2 == 1
-    # "loops": more row tiles than a full persistent backward grid holds, at every N.
+    # "loops": at least twice the row tiles of the grid the norm backward
+    # launches, at every N, for every weight and with dh_out.
     from quack import norm_backward, rowwise
 
     for n in matrix.ROW_N:
-        for dtype in (torch.float32, torch.bfloat16):
+        for dtype in (torch.float32, torch.float16, torch.bfloat16):
             elem = torch.empty((), dtype=dtype).element_size()
             cfg = rowwise.backward_config(n, rowwise.vector_width(n, elem))
-            grid = 132 * (norm_backward.THREADS_PER_SM // cfg.threads) // cfg.cluster_n
-            assert matrix.rows("loops", n, dtype) > 2 * grid * cfg.rows_per_cta
+            m = matrix.rows("loops", n, dtype)
+            for weight_bytes in (0, 4, elem):
+                for dh_out in (False, True):
+                    grid = norm_backward.grid_clusters(cfg, m, 0, elem, weight_bytes, dh_out)
+                    assert -(-m // cfg.rows_per_cta) >= 2 * grid, (n, dtype, weight_bytes, dh_out)
     assert matrix.row_shape(64, 8, "3d") == (2, 32, 8)
     assert matrix.row_shape(37, 8, "3d") == (1, 37, 8)
+
+
+# check_case end to end on the CPU, with torch's ops standing in for ours.
+
+def _rms(x, weight):
+    return torch.nn.functional.rms_norm(x, (x.shape[-1],), weight, 1e-6)
+
+
+def _rms_reference(x, weight):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * weight
+
+
+class _WrongHalfOfDx(torch.autograd.Function):
+    """Identity forward; the backward zeroes the second half of each row, as the
+    mixed-precision norm backward did."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, dy):
+        dx = dy.clone()
+        dx[..., dy.shape[-1] // 2:] = 0
+        return dx
+
+
+def _cotangents(outputs):
+    torch.manual_seed(1)
+    return [torch.randn_like(o) for o in outputs]
+
+
+def _norm_inputs(dtype=torch.bfloat16):
+    torch.manual_seed(0)
+    return {"x": torch.randn(9, 760, dtype=dtype), "weight": 1 + 0.5 * torch.randn(760, dtype=torch.float32)}
+
+
+@pytest.mark.parametrize("mode", matrix.MODES)
+def test_check_case_accepts_torch_itself(mode):
+    def ours(x, weight):  # torch in x's dtype with the fp32 weight: at least as precise
+        return _rms(x.float(), weight).to(x.dtype)
+
+    matrix.check_case(ours, _rms_reference, _rms, _norm_inputs(), ("weight",), mode, _cotangents)
+
+
+def test_check_case_catches_a_wrong_gradient_half():
+    def ours(x, weight):
+        return _rms(_WrongHalfOfDx.apply(x.float()).to(x.dtype), weight.to(x.dtype))
+
+    with pytest.raises(AssertionError, match="grad of x"):
+        matrix.check_case(ours, _rms_reference, _rms, _norm_inputs(), ("weight",), "grad_all", _cotangents)
+
+
+def _ce(x, target):
+    return torch.nn.functional.cross_entropy(x, target.long())
+
+
+class _ZeroNonTarget(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, target):
+        ctx.save_for_backward(target)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, dy):
+        (target,) = ctx.saved_tensors
+        keep = torch.nn.functional.one_hot(target.long(), dy.shape[-1]).bool()
+        return torch.where(keep, dy, torch.zeros_like(dy)), None
+
+
+def test_check_case_catches_zeroed_small_gradient_entries():
+    # Non-target entries of a cross-entropy gradient are ~1/N of the target's:
+    # the largest error alone would not see them all zeroed; the RMS does.
+    torch.manual_seed(0)
+    x = 4 * torch.randn(37, 4096, dtype=torch.bfloat16)
+    target = torch.randint(0, 4096, (37,), dtype=torch.int32)
+    inputs = {"x": x, "target": target}
+    matrix.check_case(_ce, _ce, _ce, inputs, (), "grad_x", _cotangents)  # integer target: no grad asked
+    with pytest.raises(AssertionError, match="grad of x"):
+        matrix.check_case(lambda x, target: _ce(_ZeroNonTarget.apply(x, target), target), _ce, _ce,
+                          inputs, (), "grad_x", _cotangents)

@@ -7,9 +7,14 @@ import torch
 from quack import torch_interop as ti
 
 
-def test_buffer_is_zeroed_only_when_no_kernel_writes_it():
+def test_buffer_is_zeroed_only_when_no_kernel_writes_it(monkeypatch):
+    zeroed = []
+    real_zeros = torch.zeros
+    monkeypatch.setattr(ti.torch, "zeros", lambda *a, **k: zeroed.append(a) or real_zeros(*a, **k))
     assert torch.count_nonzero(ti.partial_rows(4, 8, torch.device("cpu"), m=0)) == 0
+    assert zeroed == [(4, 8)]
     assert ti.partial_rows(4, 8, torch.device("cpu"), m=3).shape == (4, 8)
+    assert zeroed == [(4, 8)]  # left uninitialised: the kernel writes every row
 
 
 def test_partial_rows_are_summed_into_the_gradient_dtype():

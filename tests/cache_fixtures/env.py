@@ -13,7 +13,7 @@ def cache_env(tmp_path, monkeypatch):
     log = tmp_path / "compiles.log"
     monkeypatch.setenv("QUACK_CACHE_DIR", str(writable))
     monkeypatch.setenv("QUACK_TEST_COMPILE_LOG", str(log))
-    for name in ("QUACK_CACHE_PATH", "QUACK_CACHE_STRICT", "QUACK_ARCH"):
+    for name in ("QUACK_CACHE_PATH", "QUACK_CACHE_STRICT", "QUACK_ARCH", "QUACK_CACHE_MAX_SIZE"):
         monkeypatch.delenv(name, raising=False)
     quack.cache.clear()
     yield SimpleNamespace(writable=writable, log=log, tmp=tmp_path)
