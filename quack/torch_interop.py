@@ -20,8 +20,11 @@ _CUTE_DTYPES = {"float32": Float32, "float16": Float16, "bfloat16": BFloat16}
 _DTYPE_NAMES = {d: str(d).removeprefix("torch.") for d in (*FLOAT_DTYPES, torch.int32, torch.int64)}
 _FakeTensor = torch._subclasses.fake_tensor.FakeTensor
 _SM_COUNTS: dict[int, int] = {}
-# Rows are indexed with 32-bit integers in every kernel (grid, statistics, targets).
-MAX_ROWS = 2**31 - 1
+# Rows are indexed with 32-bit integers in every kernel (grid, statistics,
+# targets), with headroom for the persistent backward's prefetch of the row
+# tile after its last, whose (unused) row index must not wrap: at most a
+# grid's worth of rows (132 SMs x 4 CTAs x 16 rows) past M.
+MAX_ROWS = 2**31 - 2**16
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -135,7 +138,7 @@ def check_param(name: str, t: torch.Tensor | None, x: torch.Tensor) -> None:
 def check_rows(name: str, m: int) -> None:
     """At most ``MAX_ROWS`` rows: the kernels index rows with 32-bit integers."""
     if m > MAX_ROWS:
-        raise ValueError(f"{name} has {m} rows; the kernels index rows with 32 bits (at most 2^31 - 1 rows)")
+        raise ValueError(f"{name} has {m} rows; the kernels index rows with 32 bits (at most 2^31 - 2^16 rows)")
 
 
 def arch_capability(arch: str) -> tuple[int, int]:
@@ -149,7 +152,6 @@ def arch_capability(arch: str) -> tuple[int, int]:
 _CAPABILITIES: dict[int, tuple[int, int]] = {}
 
 
-@torch.compiler.assume_constant_result
 def _capability(index: int) -> tuple[int, int]:
     """(major, minor) compute capability of GPU ``index``, asked once."""
     cc = _CAPABILITIES.get(index)
@@ -161,7 +163,11 @@ def _capability(index: int) -> tuple[int, int]:
 def check_arch(op: str, device: torch.device, needs: str, minimum: tuple[int, int], maximum=None) -> None:
     """Refuse, before any compile or launch, a GPU the op's kernels cannot run
     on: compute capability below ``minimum`` or above ``maximum``.  In
-    compile-only mode the GPU is the compile target (``QUACK_ARCH``)."""
+    compile-only mode the GPU is the compile target (``QUACK_ARCH``).  Skipped
+    while torch.compile traces (Dynamo cannot trace the driver query): the
+    eager call or compile-only warming of the same op checks."""
+    if torch.compiler.is_compiling():
+        return
     if is_compile_only():
         from quack.cache import current_arch
 

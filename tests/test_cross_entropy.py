@@ -38,7 +38,7 @@ TABLE = {
     "m": list(matrix.ROW_M),
     "lead": list(matrix.LEAD),
 }
-CASES = matrix.cases(TABLE, paired=["dtype", "target_dtype", "ignored", "reduction", "mode", "n"])
+CASES = matrix.cases(TABLE, paired=["dtype", "target_dtype", "ignored", "reduction", "mode", "n", "m"])
 
 
 def _inputs(shape, dtype, target_dtype=torch.int64, ignored="some"):

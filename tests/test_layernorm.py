@@ -28,7 +28,7 @@ TABLE = {
     "m": list(matrix.ROW_M),
     "lead": list(matrix.LEAD),
 }
-CASES = matrix.cases(TABLE, paired=["dtype", "weight", "bias", "mode", "n"])
+CASES = matrix.cases(TABLE, paired=["dtype", "weight", "bias", "mode", "n", "m"])
 
 
 def _param(n, dtype, spec, scale, offset):

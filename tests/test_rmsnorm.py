@@ -28,7 +28,7 @@ TABLE = {
     "m": list(matrix.ROW_M),
     "lead": list(matrix.LEAD),
 }
-CASES = matrix.cases(TABLE, paired=["dtype", "weight", "residual", "mode", "n"])
+CASES = matrix.cases(TABLE, paired=["dtype", "weight", "residual", "mode", "n", "m"])
 
 
 def _inputs(shape, dtype, weight, residual, seed=0):

@@ -29,6 +29,9 @@ def test_rows_beyond_32_bit_indexing_refused(op):
         ROWWISE[op](_cuda(2**31, 1))
     with pytest.raises(ValueError, match=r"2147483648 rows"):
         ROWWISE[op](_cuda(2**16, 2**15, 1))  # leading dims count as rows
+    # The limit leaves the persistent backward's prefetch room below 2^31.
+    with pytest.raises(ValueError, match=rf"{ti.MAX_ROWS + 1} rows"):
+        ROWWISE[op](_cuda(ti.MAX_ROWS + 1, 1))
 
 
 @pytest.mark.parametrize("op", [*sorted(ROWWISE), "gemm"])

@@ -32,7 +32,7 @@ TABLE = {
     "m": list(matrix.ROW_M),
     "lead": list(matrix.LEAD),
 }
-CASES = matrix.cases(TABLE, paired=["dtype", "mode", "n"])
+CASES = matrix.cases(TABLE, paired=["dtype", "mode", "n", "m"])
 
 
 def _x(shape, dtype, scale=3.0):

@@ -16,10 +16,12 @@ output and gradient: the reference is the op evaluated in float64 on the same
 inputs; ours may err at most twice as much as torch's own implementation of
 the op in the input's dtype, both in the largest absolute difference from the
 reference and in the root-mean-square difference, plus a small floor: 16 fp32
-units in the last place at the reference's largest magnitude (at the inputs'
-or cotangents' where the exact result is all zero).  The floor matters only
-where torch is (nearly) exact: results that are exactly zero, fp32 results
-computed about as precisely as the reference.
+units in the last place at the reference's largest magnitude (where the
+exact result is all zero: at the inputs' or cotangents' largest magnitude,
+once per input value each result combines).  The floor matters only where
+torch is (nearly) exact: results that are exactly zero, fp32 results computed
+about as precisely as the reference.  A reference beyond the result dtype's
+range counts as the infinity that rounding to it gives.
 """
 
 from __future__ import annotations
@@ -31,8 +33,7 @@ from typing import Iterable, Sequence
 import torch
 
 MATRIX_ENV = "QUACK_MATRIX"
-# The floor: 16 fp32 units in the last place at the reference's largest
-# magnitude (at the inputs' largest where the reference is all zero).
+# The floor, in units of the largest magnitude (``floor``): 16 fp32 ulps.
 FLOOR = 16 * 2.0**-23
 
 
@@ -127,13 +128,27 @@ def rms_error(result: torch.Tensor, reference: torch.Tensor) -> float:
 
 
 def floor(reference: torch.Tensor, inputs=()) -> float:
-    """``FLOOR`` at the reference's largest finite magnitude (at the inputs'
-    where the exact result is all zero)."""
-    for t in (reference, *inputs):
-        finite = t[t.isfinite()].abs() if t.is_floating_point() else t.new_zeros(0)
-        if finite.numel() and float(finite.max()) > 0:
-            return FLOOR * float(finite.max())
+    """``FLOOR`` at the reference's largest finite magnitude; where the exact
+    result is all zero, at the inputs' largest magnitude times the number of
+    input values that each result combines (a sum of M losses that are each
+    exactly 0 carries M roundings)."""
+    finite = reference[reference.isfinite()].abs()
+    if finite.numel() and float(finite.max()) > 0:
+        return FLOOR * float(finite.max())
+    for t in inputs:
+        if t.is_floating_point() and t.numel():
+            terms = max(1, t.numel() // max(1, reference.numel()))
+            return FLOOR * float(t[t.isfinite()].abs().max()) * terms
     return FLOOR
+
+
+def representable(reference: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The reference as ``dtype`` can hold it: beyond its largest finite value,
+    the infinity a rounding to it gives (a sum of fp16 losses past 65504 is
+    inf in torch and in ours)."""
+    big = torch.finfo(dtype).max
+    rounded = torch.where(reference > big, float("inf"), reference)
+    return torch.where(rounded < -big, float("-inf"), rounded)
 
 
 def assert_matches_reference(
@@ -142,6 +157,7 @@ def assert_matches_reference(
     """Check one output or gradient with the rule above, on both its largest
     and its root-mean-square error (shapes and NaN positions must match)."""
     assert result.shape == reference.shape, f"{name}: shape {tuple(result.shape)} != {tuple(reference.shape)}"
+    reference = representable(reference.double(), result.dtype)
     small = floor(reference, inputs)
     torch_max, torch_rms = max_error(torch_result, reference), rms_error(torch_result, reference)
     atol = 2.0 * torch_max + small
@@ -264,9 +280,10 @@ def _as_tuple(value) -> tuple:
 # N: one column; odd (element copies of 16-bit rows); 4-, 2- and 8-element
 # vectors of 16-bit rows (100, 1026, 760: the last also not a power of two);
 # the largest single-CTA rows; each cluster size of the forwards (2 at 32K
-# ... 16 at 256K) and the backwards (2 at 16K ... 16 at 128K and 256K); the
-# largest N.
-ROW_N = (1, 7, 100, 760, 1026, 4096, 16384, 32768, 65536, 131072, 262144)
+# ... 16 at 256K) and the backwards (2 at 16K ... 16 at 128K and 256K); a
+# clustered N that is no power of two (40000: the last peers' columns partly
+# or, in the backward's cluster of 8, wholly past N); the largest N.
+ROW_N = (1, 7, 100, 760, 1026, 4096, 16384, 32768, 40000, 65536, 131072, 262144)
 # M: one row; odd; a multiple of every row tile; enough rows that every CTA
 # of a persistent backward grid loops over several row tiles.
 ROW_M = ("one", "odd", "tile_multiple", "loops")
