@@ -186,3 +186,28 @@ def test_symlinked_checkout_hashes_like_the_real_one(tmp_path, monkeypatch):
         hashes.append(module_source_hash("fakeq.ops.norm"))
     module_source_hash.cache_clear()
     assert hashes[0] == hashes[1] == package_source_hash(real / "ops" / "norm.py", real, "fakeq")
+
+
+def test_source_hash_is_taken_when_the_family_is_imported(tmp_path, monkeypatch, cache_env):
+    """An edit after import must not export the imported (old) code under the
+    new code's key: the key keeps the hash of the sources as imported."""
+    import importlib
+
+    from quack.cache.source_hash import module_source_hash
+
+    src = Path(__file__).parent / "cache_fixtures"
+    shutil.copytree(src, tmp_path / "fixtures_as_imported", ignore=shutil.ignore_patterns("__pycache__"))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    module = importlib.import_module("fixtures_as_imported.add_kernel")
+    try:
+        key = lambda: keymod.object_key("fam", module.__name__, "compile_add", {"n": 64}, "sm_90a")  # noqa: E731
+        imported = key()["source"]
+        (tmp_path / "fixtures_as_imported" / "shapes.py").write_text("THREADS_PER_ROW = 64\n")
+        module_source_hash.cache_clear()
+        quack.cache.clear()
+        assert module_source_hash(module.__name__) != imported  # the disk has changed...
+        assert key()["source"] == imported  # ...the key still names the code that runs
+    finally:
+        module_source_hash.cache_clear()
+        for name in [m for m in sys.modules if m.startswith("fixtures_as_imported")]:
+            monkeypatch.delitem(sys.modules, name)

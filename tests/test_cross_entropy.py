@@ -55,11 +55,6 @@ def _inputs(shape, dtype, target_dtype=torch.int64, ignored="some"):
     return logits, target
 
 
-def _cotangents(outputs):
-    torch.manual_seed(1)
-    return [torch.randn_like(o) for o in outputs]
-
-
 def _fns(reduction, ignore_index=IGNORE):
     """(ours, reference, torch's) as functions of x and target."""
     def ours(x, target):
@@ -77,10 +72,10 @@ def _fns(reduction, ignore_index=IGNORE):
 
 @pytest.mark.parametrize("case", CASES, ids=matrix.case_id)
 def test_matrix(case):
-    m = matrix.rows(case["m"], case["n"], case["dtype"])
-    shape = matrix.row_shape(m, case["n"], case["lead"])
+    shape = matrix.row_case_shape(case)
     logits, target = _inputs(shape, case["dtype"], case["target_dtype"], case["ignored"])
-    matrix.check_case(*_fns(case["reduction"]), {"x": logits, "target": target}, (), case["mode"], _cotangents)
+    inputs = {"x": logits, "target": target}
+    matrix.check_case(*_fns(case["reduction"]), inputs, (), case["mode"], matrix.random_cotangents)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -101,7 +96,7 @@ def test_custom_ignore_index_and_empty_batch():
     logits, target = _inputs((3, 4, 512), torch.bfloat16, ignored="none")
     target = torch.where(target % 3 == 0, 7, target)  # 7 is also the ignore_index
     for reduction in ("mean", "none"):
-        matrix.check_case(*_fns(reduction, 7), {"x": logits, "target": target}, (), "grad_x", _cotangents)
+        matrix.check_case(*_fns(reduction, 7), {"x": logits, "target": target}, (), "grad_x", matrix.random_cotangents)
     empty = torch.empty(0, 512, device="cuda", dtype=torch.bfloat16)
     empty_t = torch.empty(0, device="cuda", dtype=torch.int64)
     assert quack.cross_entropy(empty, empty_t, reduction="none").shape == (0,)
@@ -137,5 +132,5 @@ def test_torch_compile_fullgraph(n):
     ours, ref, theirs = _fns("mean")
     matrix.check_case(
         matrix.compiled(lambda x, target: ours(x, target) * 2), lambda **a: ref(**a) * 2,
-        lambda **a: theirs(**a) * 2, {"x": logits, "target": target}, (), "grad_x", _cotangents,
+        lambda **a: theirs(**a) * 2, {"x": logits, "target": target}, (), "grad_x", matrix.random_cotangents,
     )

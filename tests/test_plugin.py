@@ -24,13 +24,19 @@ from quack.compile_only import is_compile_only
 
 pytestmark = pytest.mark.gpu
 
-def test_values_compared():
+def test_values_compared(tmp_path_factory):
     x = torch.ones(4, device="cuda")
     assert is_compile_only()
-    torch.testing.assert_close(x.sum().item(), 123.0)  # a value comparison: meaningless when fake
+    # Value comparisons: meaningless when fake, no-ops that let the test go on.
+    torch.testing.assert_close(x.sum(), torch.tensor(123.0, device="cuda"))
+    assert torch.allclose(x, x * 2) and torch.equal(x, x + 1) and x.equal(x - 1)
+    (tmp_path_factory.getbasetemp() / "reached_the_end").touch()
 
 def test_other_error():
     raise RuntimeError("a real bug")
+
+def test_real_assertion():
+    assert 1 + 1 == 3, "a failed assert is a failure, also under --compile-only"
 
 @pytest.mark.no_compile_only
 def test_needs_real_values():
@@ -51,15 +57,16 @@ def run(pytester):
 def test_gpu_tests_skip_without_a_gpu(run, monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # no GPU visible, also on a GPU machine
     result = run("-rs")
-    result.assert_outcomes(skipped=3)
+    result.assert_outcomes(skipped=4)
     result.stdout.fnmatch_lines(["*needs a CUDA GPU (none visible)*"])
 
 
-def test_compile_only_runs_gpu_tests_and_fails_only_on_real_errors(run):
-    result = run("--compile-only", "-rs")
-    # The value comparison passes vacuously, the RuntimeError fails, the
-    # fake-incompatible test is skipped.
-    result.assert_outcomes(passed=1, failed=1, skipped=1)
+def test_compile_only_runs_gpu_tests_and_fails_only_on_real_errors(run, pytester):
+    result = run("--compile-only", "-rs", "--basetemp", str(pytester.path / "inner_tmp"))
+    # The value comparisons are no-ops and the test runs to its end; the
+    # RuntimeError and the failed assert fail; the fake-incompatible test is skipped.
+    result.assert_outcomes(passed=1, failed=2, skipped=1)
+    assert (pytester.path / "inner_tmp" / "reached_the_end").exists()
     result.stdout.fnmatch_lines([
         "*compile-only: kernel objects per test*",
         "*GPU tests called no kernel:*",

@@ -67,7 +67,8 @@ def test_a_real_device_is_asked_its_capability(monkeypatch, capability, ok):
     if ok:
         check()
     else:
-        with pytest.raises(ValueError, match=rf"quack.op needs clusters; cuda:3 \(Fake GPU\) is sm_{capability[0]}{capability[1]}"):
+        expected = rf"quack.op needs clusters; cuda:3 \(Fake GPU\) is sm_{capability[0]}{capability[1]}"
+        with pytest.raises(ValueError, match=expected):
             check()
 
 

@@ -37,7 +37,7 @@ from .handle import KernelHandle, _noop_kernel
 from .key import function_prefix, key_hash, object_key
 from .launcher import FastLauncher
 from .mode import compile_only_active
-from .source_hash import module_source_hash
+from .source_hash import record_imported
 from .launcher import parse_abi
 from .store import (
     ExportError,
@@ -95,6 +95,7 @@ def jit_cache(family: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]
 
     def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
         signature = inspect.signature(fn)
+        record_imported(fn.__module__)  # the sources as imported enter the key
 
         @functools.wraps(fn)
         def get(*args: Any, **kwargs: Any) -> Callable[..., Any]:
@@ -340,7 +341,8 @@ def _miss_message(req: Request) -> str:
 
 
 def clear(*, disk: bool = False) -> None:
-    """Forget in-process handles, warnings, source hashes and stats.
+    """Forget in-process handles, warnings and stats (not the source hashes
+    of imported modules: they describe the code this process runs).
 
     With ``disk=True`` also delete every entry of the current writable layer.
     """
@@ -349,7 +351,6 @@ def clear(*, disk: bool = False) -> None:
         _RECENT.clear()
         _ENSURED.clear()
         _WARNED.clear()
-    module_source_hash.cache_clear()
     stats.reset()
     if disk:
         remove_entries(Layer(read_config().writable_dir, "writable", True))

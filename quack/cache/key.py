@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from .config import HOST_TARGET
-from .source_hash import module_source_hash
+from .source_hash import record_imported
 
 # Bump when the entry layout, sidecar or key schema changes.
 # 2: the sidecar records the argument layout (abi) for the fast launcher.
@@ -43,7 +43,7 @@ def object_key(
         "format": CACHE_FORMAT_VERSION,
         "family": family,
         "function": f"{module}.{function}",
-        "source": module_source_hash(module),
+        "source": record_imported(module),
         "dsl_version": dsl_version(),
         "cuda": cuda_flavour(),
         "arch": arch,

@@ -25,6 +25,21 @@ from pathlib import Path
 
 EXCLUDED_SUBPACKAGES = ("cache", "testing")
 
+# module name -> source hash taken when the module was imported (``record_imported``).
+_AS_IMPORTED: dict[str, str] = {}
+
+
+def record_imported(module_name: str) -> str:
+    """Take (once) the source hash of a module that is being imported: its
+    file and the modules it imports as they are now, not as they may be at
+    its first compile (an edit after import would otherwise export the old
+    code under the new code's key).  ``jit_cache`` calls it as it decorates a
+    compile function, i.e. while the family's module executes."""
+    found = _AS_IMPORTED.get(module_name)
+    if found is None:
+        found = _AS_IMPORTED.setdefault(module_name, module_source_hash(module_name))
+    return found
+
 
 @functools.lru_cache(maxsize=None)
 def module_source_hash(module_name: str) -> str:
