@@ -62,12 +62,9 @@ def _ours(x, weight, bias):
 
 
 def _grad_terms(inputs, cotangents):
-    """|w dy| rstd: the size of the terms dx is computed from (they cancel
-    exactly at N = 1, where rstd is 1 / sqrt(eps))."""
-    x = inputs["x"]
-    rstd = torch.rsqrt(x.var(-1, unbiased=False) + EPS).max()
-    w = inputs["weight"].abs().max() if inputs["weight"] is not None else 1.0
-    return float(cotangents[0].abs().max() * w * rstd)
+    """matrix.norm_grad_terms (dx's terms cancel exactly at N = 1)."""
+    rstd = torch.rsqrt(inputs["x"].var(-1, unbiased=False) + EPS)
+    return matrix.norm_grad_terms(rstd, inputs["weight"], cotangents)
 
 
 @pytest.mark.parametrize("case", CASES, ids=matrix.case_id)

@@ -64,12 +64,9 @@ def _ours(x, weight, residual):
 
 
 def _grad_terms(inputs, cotangents):
-    """|w dy| rstd: the size of the terms dx is computed from (they cancel
-    where x̂^2 is near 1, as at N = 1, while rstd grows as 1 / |x|)."""
+    """matrix.norm_grad_terms (dx's terms cancel where x̂^2 is near 1, as at N = 1)."""
     h = inputs["x"] + inputs["residual"] if inputs["residual"] is not None else inputs["x"]
-    rstd = torch.rsqrt(h.pow(2).mean(-1) + EPS).max()
-    w = inputs["weight"].abs().max() if inputs["weight"] is not None else 1.0
-    return float(cotangents[0].abs().max() * w * rstd)
+    return matrix.norm_grad_terms(torch.rsqrt(h.pow(2).mean(-1) + EPS), inputs["weight"], cotangents)
 
 
 @pytest.mark.parametrize("case", CASES, ids=matrix.case_id)

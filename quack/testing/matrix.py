@@ -43,10 +43,10 @@ def selection() -> str:
     return "full" if os.environ.get(MATRIX_ENV, "") == "full" else "ci"
 
 
-def cases(table: dict[str, Sequence], paired: Iterable[str], which: str | None = None) -> list[dict]:
-    """The cases of ``table`` to run: its full product (``which`` = "full") or
-    a covering array (``covering``); ``which`` defaults to ``selection()``."""
-    if (which or selection()) == "full":
+def cases(table: dict[str, Sequence], paired: Iterable[str]) -> list[dict]:
+    """The cases of ``table`` to run (``selection``): its full product, or a
+    covering array (``covering``)."""
+    if selection() == "full":
         names = list(table)
         return [dict(zip(names, combo)) for combo in itertools.product(*table.values())]
     return covering(table, paired)
@@ -215,13 +215,12 @@ def evaluate(fn, inputs: dict, grads: Sequence[str], cotangents, no_grad: bool =
         with torch.no_grad():
             return _as_tuple(fn(**inputs)), {}, None
     outputs = _as_tuple(fn(**inputs))
-    wanted = [k for k in grads if inputs.get(k) is not None]
-    if not wanted:
+    if not grads:
         return tuple(o.detach() for o in outputs), {}, None
     cots = cotangents(outputs) if callable(cotangents) else cotangents
     pairs = [(o, c) for o, c in zip(outputs, cots) if o.requires_grad]
-    got = torch.autograd.grad([o for o, _ in pairs], [inputs[k] for k in wanted], [c for _, c in pairs])
-    return tuple(o.detach() for o in outputs), dict(zip(wanted, got)), cots
+    got = torch.autograd.grad([o for o, _ in pairs], [inputs[k] for k in grads], [c for _, c in pairs])
+    return tuple(o.detach() for o in outputs), dict(zip(grads, got)), cots
 
 
 def warm(fn, inputs: dict, grads: Sequence[str], no_grad: bool) -> None:
@@ -278,6 +277,13 @@ def check_case(
     for k in got:
         assert got[k].dtype == inputs[k].dtype, f"grad of {k} has dtype {got[k].dtype}, {k} {inputs[k].dtype}"
         assert_matches_reference(f"grad of {k}", got[k], ref_grads[k], torch_grads[k], cots64 or (), terms)
+
+
+def norm_grad_terms(rstd: torch.Tensor, weight, cotangents) -> float:
+    """``grad_terms`` of a norm: |w dy| rstd, the size of the terms its dx is
+    computed from (they cancel at N = 1, where rstd reaches 1/sqrt(eps))."""
+    w = weight.abs().max() if weight is not None else 1.0
+    return float(cotangents[0].abs().max() * w * rstd.max())
 
 
 def random_cotangents(outputs) -> list[torch.Tensor]:
