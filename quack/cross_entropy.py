@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Optional
+from typing import ClassVar, Optional
 
 import cutlass.cute as cute
 import torch
@@ -41,6 +41,7 @@ from quack.cache import compile_options, jit_cache
 from quack.compile_only import is_compile_only
 from quack.cross_entropy_kernels import CrossEntropyBackward, CrossEntropyForward
 from quack.cute_op import cute_op
+from quack.plan import Kernel, Plan, Signature, plan_for, signature
 from quack.rowwise import RowConfig, forward_config
 
 MAX_N = 262144
@@ -97,16 +98,51 @@ def compile_cross_entropy_bwd(dtype: str, target_dtype: str, n: int, vec: int):
     )
 
 
+@signature
+class CrossEntropyCall(Signature):
+    """What decides a ``quack.cross_entropy`` call's kernels: the logits'
+    dtype, the target's, N, the vector width of the logits' rows (the
+    backward reads the same rows) and whether a backward will run."""
+
+    OP: ClassVar[str] = "cross_entropy"
+    dtype: str
+    target_dtype: str
+    n: int
+    vec: int
+    backward: bool
+
+    def kernels(self):
+        args = (self.dtype, self.target_dtype, self.n, self.vec)
+        forward = Kernel(compile_cross_entropy_fwd, args)
+        if not self.backward:
+            return (("forward", forward),)
+        return (("forward", forward), ("backward", Kernel(compile_cross_entropy_bwd, args)))
+
+
+def call_signature(logits, target, backward: bool) -> CrossEntropyCall:
+    """The signature of a call on these tensors (the vector width from the logits' alignment)."""
+    n = logits.shape[-1]
+    return CrossEntropyCall(
+        ti.dtype_name(logits.dtype), ti.dtype_name(target.dtype), n, ti.vector_width(n, logits), backward
+    )
+
+
+def _launch_fwd(plan: Plan, logits, target, loss, lse, ignore_index) -> None:
+    plan.kernel("forward")(logits, target, loss, lse, ignore_index, ti.current_stream(logits.device))
+
+
+def _launch_bwd(plan: Plan, logits, target, lse, dloss, dx, ignore_index) -> None:
+    plan.kernel("backward")(logits, target, lse, dloss, dx, ignore_index, ti.current_stream(logits.device))
+
+
+# The registered ops, which torch.compile's graphs call: each takes its
+# plan from its own (real) tensors.
 @cute_op("quack::cross_entropy_fwd", mutates_args=("loss", "lse"))
 def _cross_entropy_fwd(
     logits: torch.Tensor, target: torch.Tensor, loss: torch.Tensor, lse: torch.Tensor, ignore_index: int
 ) -> None:
     """Launch the forward kernel: (M, N) logits, (M,) target, loss and lse."""
-    n = logits.shape[1]
-    kernel = compile_cross_entropy_fwd(
-        ti.dtype_name(logits.dtype), ti.dtype_name(target.dtype), n, ti.vector_width(n, logits)
-    )
-    kernel(logits, target, loss, lse, ignore_index, ti.current_stream(logits.device))
+    _launch_fwd(plan_for(call_signature(logits, target, False)), logits, target, loss, lse, ignore_index)
 
 
 @cute_op("quack::cross_entropy_bwd", mutates_args=("dx",))
@@ -119,11 +155,8 @@ def _cross_entropy_bwd(
     ignore_index: int,
 ) -> None:
     """Launch the backward kernel: dloss is the (M,) fp32 gradient of each row's loss."""
-    n = logits.shape[1]
-    kernel = compile_cross_entropy_bwd(
-        ti.dtype_name(logits.dtype), ti.dtype_name(target.dtype), n, ti.vector_width(n, logits, dx)
-    )
-    kernel(logits, target, lse, dloss, dx, ignore_index, ti.current_stream(logits.device))
+    plan = plan_for(call_signature(logits, target, True))
+    _launch_bwd(plan, logits, target, lse, dloss, dx, ignore_index)
 
 
 def _validate(logits, target, ignore_index, reduction) -> None:
@@ -156,8 +189,10 @@ def check_targets_in_range(target: torch.Tensor, n: int, ignore_index: int) -> N
         )
 
 
-def cross_entropy_fwd(logits, target, ignore_index: int = -100):
-    """Allocate and run the forward op: returns (loss, lse), fp32 of shape (M,)."""
+def cross_entropy_fwd(logits, target, ignore_index: int = -100, plan: Optional[Plan] = None):
+    """Allocate and run the forward: returns (loss, lse), fp32 of shape (M,).
+    ``plan``: the call's (eager); None goes through the registered op
+    (torch.compile, direct use)."""
     n = logits.shape[-1]
     x2 = ti.as_rows(logits, n)
     t1 = target.reshape(-1).contiguous()
@@ -165,21 +200,20 @@ def cross_entropy_fwd(logits, target, ignore_index: int = -100):
     loss = torch.empty(m, device=logits.device, dtype=torch.float32)
     lse = torch.empty(m, device=logits.device, dtype=torch.float32)
     if m > 0:
-        _cross_entropy_fwd(x2, t1, loss, lse, ignore_index)
+        args = (x2, t1, loss, lse, ignore_index)
+        _launch_fwd(plan, *args) if plan is not None else _cross_entropy_fwd(*args)
     return loss, lse
 
 
-def cross_entropy_bwd(logits, target, lse, dloss_rows, ignore_index: int = -100):
+def cross_entropy_bwd(logits, target, lse, dloss_rows, ignore_index: int = -100, plan: Optional[Plan] = None):
     """Allocate dlogits and run the backward op; ``dloss_rows`` is the (M,)
     gradient of each row's loss."""
     n = logits.shape[-1]
     x2 = ti.as_rows(logits, n)
     dx = torch.empty_like(logits)
     if x2.shape[0] > 0:
-        _cross_entropy_bwd(
-            x2, target.reshape(-1).contiguous(), lse, dloss_rows.float().contiguous(),
-            ti.as_rows(dx, n), ignore_index,
-        )
+        args = (x2, target.reshape(-1).contiguous(), lse, dloss_rows.float().contiguous(), ti.as_rows(dx, n), ignore_index)
+        _launch_bwd(plan, *args) if plan is not None else _cross_entropy_bwd(*args)
     return dx
 
 
@@ -205,10 +239,11 @@ def _row_grads(dloss, m, reduction, count):
 
 class _CrossEntropyFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, target, ignore_index, reduction):
+    def forward(ctx, logits, target, ignore_index, reduction, plan):
         # Kernels take plain tensors (DLPack refuses ones that require grad).
         logits = logits.detach()
-        loss, lse = cross_entropy_fwd(logits, target, ignore_index)
+        loss, lse = cross_entropy_fwd(logits, target, ignore_index, plan)
+        ctx.plan = plan
         out, count = _reduce(loss, target, ignore_index, reduction, logits.dtype)
         ctx.save_for_backward(logits, target, lse, count)
         ctx.ignore_index, ctx.reduction = ignore_index, reduction
@@ -218,8 +253,8 @@ class _CrossEntropyFunction(torch.autograd.Function):
     def backward(ctx, dout):
         logits, target, lse, count = ctx.saved_tensors
         g = _row_grads(dout, lse.shape[0], ctx.reduction, count)
-        dx = cross_entropy_bwd(logits, target, lse, g, ctx.ignore_index)
-        return dx, None, None, None
+        dx = cross_entropy_bwd(logits, target, lse, g, ctx.ignore_index, ctx.plan)
+        return dx, None, None, None, None
 
 
 def _check_env() -> bool:
@@ -252,24 +287,19 @@ def cross_entropy(
     if check_targets and not compile_only:
         check_targets_in_range(target, logits.shape[-1], ignore_index)
     backward = ti.will_backward(logits)
+    # While torch.compile traces there are no addresses: the registered ops
+    # take their plans from the real tensors when the graph runs.
+    plan = None if torch.compiler.is_compiling() else plan_for(call_signature(logits, target, backward))
     if compile_only:
-        return _warm(logits, target, ignore_index, reduction, backward)
+        # Export every kernel of the plan; the launch below is a no-op and
+        # builds no graph (autograd cannot run on fake CUDA tensors).
+        plan.warm()
+        backward = False
     if backward:
-        return _CrossEntropyFunction.apply(logits, target, ignore_index, reduction)
-    loss, _ = cross_entropy_fwd(logits, target, ignore_index)
-    return _reduce(loss, target, ignore_index, reduction, logits.dtype)[0]
-
-
-@torch.no_grad()
-def _warm(logits, target, ignore_index, reduction, backward):
-    """Compile-only: export the kernels the eager call would run: the forward,
-    and the backward when autograd will run one (autograd cannot run on fake
-    CUDA tensors with a CPU-only torch, see quack/testing/autograd.py).  No
-    graph is built."""
-    loss, lse = cross_entropy_fwd(logits, target, ignore_index)
-    if backward:
-        cross_entropy_bwd(logits, target, lse, torch.empty_like(lse), ignore_index)
-    return _reduce(loss, target, ignore_index, reduction, logits.dtype)[0]
+        return _CrossEntropyFunction.apply(logits, target, ignore_index, reduction, plan)
+    with torch.no_grad():
+        loss, _ = cross_entropy_fwd(logits, target, ignore_index, plan)
+        return _reduce(loss, target, ignore_index, reduction, logits.dtype)[0]
 
 
 def cross_entropy_ref(logits, target, ignore_index: int = -100, reduction: str = "mean"):

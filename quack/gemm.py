@@ -20,8 +20,9 @@ per group on average pairs CTAs along N instead (sharing each A tile): a
 cluster then spans 128 rows, not 256, and the partial tile at the end of each
 group wastes half as much.  N <= 128 uses 128 x 128 tiles so that half of each
 tile is not wasted.  Measured in tools/bench/gemm_configs.py; no autotuning
-happens at call time.  Under compile-only every configuration the heuristic
-can pick is exported, since fake tensors carry sentinel sizes.
+happens at call time.  A varlen call's plan holds the objects of both
+classes of group size (the rows per group are a runtime size, and a sentinel
+under compile-only).
 
 The kernel lives in ``quack/gemm_kernels.py`` (work order:
 ``quack/gemm_schedule.py``).  Test: ``pytest tests/test_gemm.py``; benchmark:
@@ -30,7 +31,7 @@ The kernel lives in ``quack/gemm_kernels.py`` (work order:
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import ClassVar, NamedTuple, Optional
 
 import cutlass.cute as cute
 import torch
@@ -41,6 +42,7 @@ from quack import torch_interop as ti
 from quack.cache import compile_options, jit_cache
 from quack.compile_only import is_compile_only
 from quack.cute_op import cute_op
+from quack.plan import Kernel, Plan, Signature, plan_for, signature
 from quack.gemm_kernels import HopperGemm, cta_threads
 
 INPUT_DTYPES = (torch.bfloat16, torch.float16)
@@ -69,12 +71,6 @@ def gemm_config(n: int, rows_per_group: Optional[float] = None) -> GemmConfig:
     return GemmConfig(tile_n=tile_n)
 
 
-def candidate_configs(varlen: bool) -> list[GemmConfig]:
-    """Every configuration ``gemm_config`` can pick for a dense or a varlen GEMM."""
-    sizes = (1.0, float(LARGE_GROUP_ROWS)) if varlen else (None,)
-    return sorted({gemm_config(n, rows) for n in (128, 256) for rows in sizes})
-
-
 @jit_cache("gemm")
 def compile_gemm(ab_dtype: str, d_dtype: str, b_n_major: bool, varlen: bool, config: tuple):
     """Compile one configuration; every dimension is symbolic."""
@@ -94,30 +90,74 @@ def compile_gemm(ab_dtype: str, d_dtype: str, b_n_major: bool, varlen: bool, con
     return cute.compile(kernel, a, b, d, cu, Int32(1), cute.runtime.make_fake_stream(), options=compile_options())
 
 
+# A varlen plan holds one object per class of rows per group: which one
+# runs depends on a runtime size (and on a sentinel under compile-only).
+GROUP_CLASSES = (("small_groups", 1.0), ("large_groups", float(LARGE_GROUP_ROWS)))
+
+
+@signature
+class GemmCall(Signature):
+    """What decides a ``quack.gemm`` call's kernels: the input and output
+    dtypes, B's layout (N-contiguous or not), dense or varlen, and the tile
+    width ``gemm_config`` picks for N."""
+
+    OP: ClassVar[str] = "gemm"
+    ab_dtype: str
+    out_dtype: str
+    b_n_major: bool
+    varlen: bool
+    tile_n: int
+
+    def kernels(self):
+        args = (self.ab_dtype, self.out_dtype, self.b_n_major, self.varlen)
+        if not self.varlen:
+            return (("dense", Kernel(compile_gemm, (*args, tuple(gemm_config(self.tile_n))))),)
+        return tuple(
+            (role, Kernel(compile_gemm, (*args, tuple(gemm_config(self.tile_n, rows))))) for role, rows in GROUP_CLASSES
+        )
+
+
+def call_signature(a, b3, out, cu_seqlens, b_n_major: bool) -> GemmCall:
+    """The signature of a call on validated operands (b3 as ``_b_view`` gives it)."""
+    return GemmCall(
+        ti.dtype_name(a.dtype), ti.dtype_name(out.dtype), b_n_major, cu_seqlens is not None,
+        gemm_config(out.shape[1]).tile_n,
+    )
+
+
+def _run(plan: Plan, a, b3, out, cu_seqlens) -> None:
+    """Check TMA's alignment rules on the tensors the kernel gets, then warm
+    (compile-only) or launch the plan's object for this size."""
+    _check_tma("A", a)
+    _check_tma("B", b3)
+    if is_compile_only():
+        plan.warm()
+        return
+    role = "dense"
+    if cu_seqlens is not None:
+        small = a.shape[0] / max(1, b3.shape[0]) < LARGE_GROUP_ROWS
+        role = GROUP_CLASSES[0][0] if small else GROUP_CLASSES[1][0]
+    kernel = plan.kernel_of(role)
+    _launch(kernel.load(), GemmConfig(*kernel.args[-1]), a, b3, out, cu_seqlens)
+
+
 @cute_op("quack::gemm", mutates_args=("out",))
 def _gemm(a: torch.Tensor, b3: torch.Tensor, out: torch.Tensor, cu_seqlens: Optional[torch.Tensor],
           b_n_major: bool) -> None:
-    """Launch on validated operands: b3 is (L, K, N) if ``b_n_major`` else (L, N, K).
-    TMA's alignment rules are checked here, on the tensors the kernel gets
-    (while torch.compile traces, ``gemm`` cannot see addresses)."""
-    _check_tma("A", a)
-    _check_tma("B", b3)
-    varlen = cu_seqlens is not None
-    if is_compile_only():
-        # The configuration depends on sizes that fake tensors only pretend to
-        # have (``.item()`` sentinels): export every one the heuristic can pick.
-        for cfg in candidate_configs(varlen):
-            compile_gemm(ti.dtype_name(a.dtype), ti.dtype_name(out.dtype), b_n_major, varlen, tuple(cfg))
-        return
-    rows_per_group = a.shape[0] / max(1, b3.shape[0]) if varlen else None
-    launch_gemm(a, b3, out, cu_seqlens, b_n_major, gemm_config(out.shape[1], rows_per_group))
+    """The registered op, which torch.compile's graphs call: b3 is (L, K, N)
+    if ``b_n_major`` else (L, N, K); the plan comes from the real tensors."""
+    _run(plan_for(call_signature(a, b3, out, cu_seqlens, b_n_major)), a, b3, out, cu_seqlens)
 
 
 def launch_gemm(a, b3, out, cu_seqlens, b_n_major: bool, cfg: GemmConfig) -> None:
-    """Run one configuration on operands already validated (the op uses
-    ``gemm_config``'s; tools/bench/gemm_configs.py compares others)."""
+    """Run a configuration of the caller's choice on validated operands
+    (tools/bench/gemm_configs.py compares them; the op runs its plan's)."""
     kernel = compile_gemm(ti.dtype_name(a.dtype), ti.dtype_name(out.dtype), b_n_major, cu_seqlens is not None,
                           tuple(cfg))
+    _launch(kernel, cfg, a, b3, out, cu_seqlens)
+
+
+def _launch(kernel, cfg: GemmConfig, a, b3, out, cu_seqlens) -> None:
     # One CTA per SM (the tiles' shared memory).
     max_clusters = occupancy.resident_clusters(
         a.device.index or 0, cta_threads(cfg.tile_m), cfg.cluster_m * cfg.cluster_n, ctas_per_sm=1
@@ -205,7 +245,13 @@ def gemm(A: torch.Tensor, B: torch.Tensor, out_dtype: Optional[torch.dtype] = No
     if k == 0:
         return out.zero_()
     cu = cu_seqlens_m.contiguous() if cu_seqlens_m is not None else None
-    _gemm(_unit_strides(a), _unit_strides(b3), out, cu, b_n_major)
+    a, b3 = _unit_strides(a), _unit_strides(b3)
+    if torch.compiler.is_compiling():
+        # No addresses while torch.compile traces: the registered op takes
+        # its plan from the real tensors when the graph runs.
+        _gemm(a, b3, out, cu, b_n_major)
+    else:
+        _run(plan_for(call_signature(a, b3, out, cu, b_n_major)), a, b3, out, cu)
     return out
 
 

@@ -17,7 +17,7 @@ Test: ``pytest tests/test_layernorm.py``; benchmark: ``python tools/bench/layern
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import ClassVar, Optional
 
 import cutlass.cute as cute
 import torch
@@ -28,6 +28,7 @@ from quack import torch_interop as ti
 from quack.cache import compile_options, jit_cache
 from quack.compile_only import is_compile_only
 from quack.cute_op import cute_op
+from quack.plan import Kernel, Plan, Signature, plan_for, signature
 from quack.layernorm_kernels import LayerNormForward
 from quack.norm_backward import NormBackward, grid_clusters
 from quack.rowwise import backward_config, forward_config
@@ -78,10 +79,79 @@ def compile_layernorm_bwd(
     )
 
 
+@signature
+class LayerNormCall(Signature):
+    """What decides a ``quack.layernorm`` call's kernels: x's dtype, the
+    weight's and the bias's (None without one), N, the forward's vector width
+    and whether a backward will run (the forward then stores the statistics)."""
+
+    OP: ClassVar[str] = "layernorm"
+    dtype: str
+    weight_dtype: Optional[str]
+    bias_dtype: Optional[str]
+    n: int
+    vec: int
+    backward: bool
+
+    def kernels(self):
+        forward = Kernel(
+            compile_layernorm_fwd, (self.dtype, self.weight_dtype, self.bias_dtype, self.n, self.vec, self.backward)
+        )
+        if not self.backward:
+            return (("forward", forward),)
+        # The backward's inputs are realigned (ti.aligned): full vector width.
+        # It sums db whenever there is a bias (the op drops it unless asked).
+        backward = Kernel(
+            compile_layernorm_bwd,
+            (self.dtype, self.weight_dtype, self.bias_dtype is not None, self.n, ti.full_width(self.n, self.dtype)),
+        )
+        return (("forward", forward), ("backward", backward))
+
+
+def call_signature(x, weight, bias, backward: bool) -> LayerNormCall:
+    """The signature of a call on these tensors (the vector width from their alignment)."""
+    n = x.shape[-1]
+    return LayerNormCall(
+        ti.dtype_name(x.dtype), _name(weight), _name(bias), n, ti.vector_width(n, x, weight, bias), backward
+    )
+
+
 def _name(t: Optional[torch.Tensor]) -> Optional[str]:
     return ti.dtype_name(t.dtype) if t is not None else None
 
 
+def _name_of(dtype: Optional[torch.dtype]) -> Optional[str]:
+    return ti.dtype_name(dtype) if dtype is not None else None
+
+
+def _launch_fwd(plan: Plan, x, weight, bias, out, mean, rstd, eps) -> None:
+    plan.kernel("forward")(x, weight, bias, out, mean, rstd, eps, ti.current_stream(x.device))
+
+
+def _launch_bwd(kernel: Kernel, x, weight, dy, mean, rstd, dx, dw, db) -> None:
+    """The persistent backward, then the sums of its per-CTA partial rows into
+    dw (given exactly when weight is) and db.  The grid and the partial
+    buffers are sized here, on the real tensors, never while torch.compile
+    traces (where N and M may be symbolic)."""
+    m, n = x.shape
+    # The object runs at full vector width: realign what autograd handed us.
+    x, weight, dy = (ti.aligned(t) for t in (x, weight, dy))
+    cfg = backward_config(n, kernel.args[-1])
+    num_ctas = grid_clusters(
+        cfg, m, x.device.index or 0, x.element_size(), 0 if weight is None else weight.element_size(), False
+    )
+    rows = num_ctas * cfg.rows_per_cta
+    dw_partial = ti.partial_rows(rows, n, x.device, m) if dw is not None else None
+    db_partial = ti.partial_rows(rows, n, x.device, m) if db is not None else None
+    if m > 0:
+        launch = kernel.load()
+        launch(x, weight, dy, None, mean, rstd, dx, dw_partial, db_partial, num_ctas, ti.current_stream(x.device))
+    ti.sum_partial_rows(dw_partial, dw)
+    ti.sum_partial_rows(db_partial, db)
+
+
+# The registered ops, which torch.compile's graphs call: each takes its
+# kernel from its own (real) tensors.
 @cute_op("quack::layernorm_fwd", mutates_args=("out", "mean", "rstd"))
 def _layernorm_fwd(
     x: torch.Tensor,
@@ -93,12 +163,7 @@ def _layernorm_fwd(
     eps: float,
 ) -> None:
     """Launch the forward kernel on 2-D (M, N) tensors."""
-    n = x.shape[1]
-    kernel = compile_layernorm_fwd(
-        ti.dtype_name(x.dtype), _name(weight), _name(bias), n, ti.vector_width(n, x, weight, bias, out),
-        rstd is not None,
-    )
-    kernel(x, weight, bias, out, mean, rstd, eps, ti.current_stream(x.device))
+    _launch_fwd(plan_for(call_signature(x, weight, bias, rstd is not None)), x, weight, bias, out, mean, rstd, eps)
 
 
 @cute_op("quack::layernorm_bwd", mutates_args=("dx", "dw", "db"))
@@ -111,25 +176,15 @@ def _layernorm_bwd(
     dx: torch.Tensor,
     dw: Optional[torch.Tensor],
     db: Optional[torch.Tensor],
+    bias_dtype: Optional[str],
 ) -> None:
-    """Launch the persistent backward kernel and sum its per-CTA partial rows
-    into dw (given exactly when weight is) and db.  The grid and the partial
-    buffers are sized here, on the real tensors, never while torch.compile
-    traces (where N and M may be symbolic)."""
-    m, n = x.shape
-    vec = ti.vector_width(n, x, weight, dy, dx)
-    cfg = backward_config(n, vec)
-    num_ctas = grid_clusters(
-        cfg, m, x.device.index or 0, x.element_size(), 0 if weight is None else weight.element_size(), False
-    )
-    rows = num_ctas * cfg.rows_per_cta
-    dw_partial = ti.partial_rows(rows, n, x.device, m) if dw is not None else None
-    db_partial = ti.partial_rows(rows, n, x.device, m) if db is not None else None
-    if m > 0:
-        kernel = compile_layernorm_bwd(ti.dtype_name(x.dtype), _name(weight), db is not None, n, vec)
-        kernel(x, weight, dy, None, mean, rstd, dx, dw_partial, db_partial, num_ctas, ti.current_stream(x.device))
-    ti.sum_partial_rows(dw_partial, dw)
-    ti.sum_partial_rows(db_partial, db)
+    """Launch the backward kernel on 2-D (M, N) tensors (realigned for it; db
+    given exactly when the call had a bias, of ``bias_dtype``)."""
+    dtype, n = ti.dtype_name(x.dtype), x.shape[1]
+    # The call as far as the backward sees it (the forward's vector width
+    # does not change the backward object).
+    plan = plan_for(LayerNormCall(dtype, _name(weight), bias_dtype, n, ti.full_width(n, dtype), True))
+    _launch_bwd(plan.kernel_of("backward"), x, weight, dy, mean, rstd, dx, dw, db)
 
 
 def _validate(x, weight, bias) -> None:
@@ -138,9 +193,10 @@ def _validate(x, weight, bias) -> None:
     ti.check_param("bias", bias, x)
 
 
-def layernorm_fwd(x, weight=None, bias=None, eps=1e-5, store_stats=True):
-    """Allocate outputs and run the forward op: returns (y, mean, rstd); the
-    statistics are None unless ``store_stats``."""
+def layernorm_fwd(x, weight=None, bias=None, eps=1e-5, store_stats=True, plan: Optional[Plan] = None):
+    """Allocate outputs and run the forward: returns (y, mean, rstd); the
+    statistics are None unless ``store_stats``.  ``plan``: the call's
+    (eager); None goes through the registered op (torch.compile, direct use)."""
     n = x.shape[-1]
     x2 = ti.as_rows(x, n)
     out = torch.empty_like(x)
@@ -149,41 +205,47 @@ def layernorm_fwd(x, weight=None, bias=None, eps=1e-5, store_stats=True):
         mean = torch.empty(x2.shape[0], device=x.device, dtype=torch.float32)
         rstd = torch.empty(x2.shape[0], device=x.device, dtype=torch.float32)
     if x2.shape[0] > 0:
-        _layernorm_fwd(x2, weight, bias, ti.as_rows(out, n), mean, rstd, eps)
+        args = (x2, weight, bias, ti.as_rows(out, n), mean, rstd, eps)
+        _launch_fwd(plan, *args) if plan is not None else _layernorm_fwd(*args)
     return out, mean, rstd
 
 
-def layernorm_bwd(x, weight, dy, mean, rstd, has_bias=False):
-    """Allocate gradients and run the backward op: returns (dx, dweight or
-    None, dbias in fp32 or None)."""
+def layernorm_bwd(x, weight, dy, mean, rstd, bias_dtype=None, plan: Optional[Plan] = None):
+    """Allocate gradients and run the backward: returns (dx, dweight or None,
+    dbias in fp32, or None when the call had no bias: ``bias_dtype`` None)."""
     n = x.shape[-1]
+    dy = dy.contiguous()
     dx = torch.empty_like(x)
     dw = torch.empty_like(weight) if weight is not None else None
-    db = torch.empty(n, device=x.device, dtype=torch.float32) if has_bias else None
-    _layernorm_bwd(ti.as_rows(x, n), weight, ti.as_rows(dy.contiguous(), n), mean, rstd, ti.as_rows(dx, n), dw, db)
+    db = torch.empty(n, device=x.device, dtype=torch.float32) if bias_dtype is not None else None
+    args = (ti.as_rows(x, n), weight, ti.as_rows(dy, n), mean, rstd, ti.as_rows(dx, n), dw, db)
+    if plan is not None:
+        _launch_bwd(plan.kernel_of("backward"), *args)
+    else:
+        _layernorm_bwd(*args, bias_dtype)
     return dx, dw, db
 
 
 class _LayerNormFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, eps):
+    def forward(ctx, x, weight, bias, eps, plan):
         # Kernels take plain tensors (DLPack refuses ones that require grad).
         x, weight, bias = (t.detach() if t is not None else None for t in (x, weight, bias))
-        y, mean, rstd = layernorm_fwd(x, weight, bias, eps)
-        ctx.bias_dtype = bias.dtype if bias is not None else None
+        y, mean, rstd = layernorm_fwd(x, weight, bias, eps, plan=plan)
+        ctx.bias_dtype = bias.dtype if bias is not None else None  # db's dtype
+        ctx.plan = plan
         ctx.save_for_backward(x, weight, mean, rstd)
         return y
 
     @staticmethod
     def backward(ctx, dy):
         x, weight, mean, rstd = ctx.saved_tensors
-        has_bias = ctx.bias_dtype is not None and ctx.needs_input_grad[2]
-        dx, dw, db = layernorm_bwd(x, weight, dy, mean, rstd, has_bias)
+        bias_dtype = _name_of(ctx.bias_dtype)
+        dx, dw, db = layernorm_bwd(x, weight, dy, mean, rstd, bias_dtype, ctx.plan)
         if weight is None or not ctx.needs_input_grad[1]:
             dw = None
-        if db is not None:
-            db = db.to(ctx.bias_dtype)
-        return dx, dw, db, None
+        db = db.to(ctx.bias_dtype) if db is not None and ctx.needs_input_grad[2] else None
+        return dx, dw, db, None, None
 
 
 def layernorm(x, weight=None, bias=None, eps: float = 1e-5):
@@ -196,25 +258,19 @@ def layernorm(x, weight=None, bias=None, eps: float = 1e-5):
     """
     _validate(x, weight, bias)
     backward = ti.will_backward(x, weight, bias)
+    # While torch.compile traces there are no addresses: the registered ops
+    # take their kernels from the real tensors when the graph runs.
+    plan = None if torch.compiler.is_compiling() else plan_for(call_signature(x, weight, bias, backward))
     if is_compile_only():
-        return _warm(x, weight, bias, eps, backward)
+        # Export every kernel of the plan; the launch below is a no-op and
+        # builds no graph (autograd cannot run on fake CUDA tensors).
+        plan.warm()
+        backward = False
     if backward:
-        return _LayerNormFunction.apply(x, weight, bias, eps)
-    return layernorm_fwd(x, weight, bias, eps, store_stats=False)[0]
-
-
-@torch.no_grad()
-def _warm(x, weight, bias, eps, backward):
-    """Compile-only: export the kernels the eager call would run: the forward,
-    and the backward when autograd will run one (autograd cannot run on fake
-    CUDA tensors with a CPU-only torch, see quack/testing/autograd.py).  The
-    output carries no graph."""
-    y, mean, rstd = layernorm_fwd(x, weight, bias, eps, store_stats=backward)
-    if backward:
-        # The same has_bias as _LayerNormFunction.backward, so the same object.
-        has_bias = bias is not None and bias.requires_grad
-        layernorm_bwd(x, weight, torch.empty_like(y), mean, rstd, has_bias)
-    return y
+        return _LayerNormFunction.apply(x, weight, bias, eps, plan)
+    with torch.no_grad():
+        stats = plan is not None and plan.signature.backward
+        return layernorm_fwd(x, weight, bias, eps, store_stats=stats, plan=plan)[0]
 
 
 def layernorm_ref(x, weight=None, bias=None, eps: float = 1e-5):

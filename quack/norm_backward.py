@@ -260,8 +260,14 @@ class NormBackward:
         if const_expr(weight is None):
             return x_hat, dy, dy
         if const_expr(self.weight_place == L2):
-            return x_hat, dy, dy * rowwise.load_param(weight, v)
-        return x_hat, dy, dy * rowwise.slice_vector(weight, valid, v)
+            w = rowwise.load_param(weight, v)
+        else:
+            w = rowwise.slice_vector(weight, valid, v)
+        # "+ 0.0" rounds dy * w on its own (ptxas may fuse a product only into
+        # the add): both passes then use the same rounded wdy, so at N = 1
+        # LayerNorm's wdy - c2 cancels exactly, as torch's does, instead of
+        # leaving dy * w's rounding error times 1/sqrt(eps).
+        return x_hat, dy, dy * w + 0.0
 
 
 def _stage_buffer(smem, cfg: RowConfig, thr, dtype, stages: int) -> cute.Tensor:

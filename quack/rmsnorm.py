@@ -16,7 +16,7 @@ Test: ``pytest tests/test_rmsnorm.py``; benchmark: ``python tools/bench/rmsnorm.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import ClassVar, Optional
 
 import cutlass.cute as cute
 import torch
@@ -27,6 +27,7 @@ from quack import torch_interop as ti
 from quack.cache import compile_options, jit_cache
 from quack.compile_only import is_compile_only
 from quack.cute_op import cute_op
+from quack.plan import Kernel, Plan, Signature, plan_for, signature
 from quack.norm_backward import NormBackward, grid_clusters
 from quack.rmsnorm_kernels import RMSNormForward
 from quack.rowwise import backward_config, forward_config
@@ -70,6 +71,70 @@ def compile_rmsnorm_bwd(dtype: str, weight_dtype: Optional[str], has_dh_out: boo
     )
 
 
+@signature
+class RMSNormCall(Signature):
+    """What decides a ``quack.rmsnorm`` call's kernels: x's dtype, the
+    weight's (None without one), a residual, N, the forward's vector width
+    and whether a backward will run (the forward then stores 1/rms)."""
+
+    OP: ClassVar[str] = "rmsnorm"
+    dtype: str
+    weight_dtype: Optional[str]
+    residual: bool
+    n: int
+    vec: int
+    backward: bool
+
+    def kernels(self):
+        forward = Kernel(
+            compile_rmsnorm_fwd, (self.dtype, self.weight_dtype, self.residual, self.n, self.vec, self.backward)
+        )
+        if not self.backward:
+            return (("forward", forward),)
+        # The backward's inputs are realigned (ti.aligned): full vector width.
+        backward = Kernel(
+            compile_rmsnorm_bwd, (self.dtype, self.weight_dtype, self.residual, self.n, ti.full_width(self.n, self.dtype))
+        )
+        return (("forward", forward), ("backward", backward))
+
+
+def call_signature(x, weight, residual, backward: bool) -> RMSNormCall:
+    """The signature of a call on these tensors (the vector width from their alignment)."""
+    n = x.shape[-1]
+    vec = ti.vector_width(n, x, weight, residual)
+    return RMSNormCall(ti.dtype_name(x.dtype), _name(weight), residual is not None, n, vec, backward)
+
+
+def _name(t: Optional[torch.Tensor]) -> Optional[str]:
+    return ti.dtype_name(t.dtype) if t is not None else None
+
+
+def _launch_fwd(plan: Plan, x, weight, residual, out, residual_out, rstd, eps) -> None:
+    plan.kernel("forward")(x, weight, residual, out, residual_out, rstd, eps, ti.current_stream(x.device))
+
+
+def _launch_bwd(kernel: Kernel, x, weight, dy, dh_out, rstd, dx, dw) -> None:
+    """The persistent backward, then the sum of its per-CTA partial rows into
+    dw (given exactly when weight is).  The grid and the partial buffer are
+    sized here, on the real tensors, never while torch.compile traces (where
+    N and M may be symbolic)."""
+    m, n = x.shape
+    # The object runs at full vector width: realign what autograd handed us.
+    x, weight, dy, dh_out = (ti.aligned(t) for t in (x, weight, dy, dh_out))
+    cfg = backward_config(n, kernel.args[-1])
+    num_ctas = grid_clusters(
+        cfg, m, x.device.index or 0, x.element_size(),
+        0 if weight is None else weight.element_size(), dh_out is not None,
+    )
+    dw_partial = ti.partial_rows(num_ctas * cfg.rows_per_cta, n, x.device, m) if dw is not None else None
+    if m > 0:
+        launch = kernel.load()
+        launch(x, weight, dy, dh_out, None, rstd, dx, dw_partial, None, num_ctas, ti.current_stream(x.device))
+    ti.sum_partial_rows(dw_partial, dw)
+
+
+# The registered ops, which torch.compile's graphs call: each derives its
+# plan from its own (real) tensors.
 @cute_op("quack::rmsnorm_fwd", mutates_args=("out", "residual_out", "rstd"))
 def _rmsnorm_fwd(
     x: torch.Tensor,
@@ -81,17 +146,8 @@ def _rmsnorm_fwd(
     eps: float,
 ) -> None:
     """Launch the forward kernel on 2-D (M, N) tensors."""
-    n = x.shape[1]
-    vec = ti.vector_width(n, x, weight, residual, out, residual_out)
-    kernel = compile_rmsnorm_fwd(
-        ti.dtype_name(x.dtype),
-        ti.dtype_name(weight.dtype) if weight is not None else None,
-        residual is not None,
-        n,
-        vec,
-        rstd is not None,
-    )
-    kernel(x, weight, residual, out, residual_out, rstd, eps, ti.current_stream(x.device))
+    plan = plan_for(call_signature(x, weight, residual, rstd is not None))
+    _launch_fwd(plan, x, weight, residual, out, residual_out, rstd, eps)
 
 
 @cute_op("quack::rmsnorm_bwd", mutates_args=("dx", "dw"))
@@ -104,28 +160,12 @@ def _rmsnorm_bwd(
     dx: torch.Tensor,
     dw: Optional[torch.Tensor],
 ) -> None:
-    """Launch the persistent backward kernel and sum its per-CTA partial rows
-    into dw (given exactly when weight is).  The grid and the partial buffer
-    are sized here, on the real tensors, never while torch.compile traces
-    (where N and M may be symbolic)."""
-    m, n = x.shape
-    vec = ti.vector_width(n, x, weight, dy, dh_out, dx)
-    cfg = backward_config(n, vec)
-    num_ctas = grid_clusters(
-        cfg, m, x.device.index or 0, x.element_size(),
-        0 if weight is None else weight.element_size(), dh_out is not None,
-    )
-    dw_partial = ti.partial_rows(num_ctas * cfg.rows_per_cta, n, x.device, m) if dw is not None else None
-    if m > 0:
-        kernel = compile_rmsnorm_bwd(
-            ti.dtype_name(x.dtype),
-            ti.dtype_name(weight.dtype) if weight is not None else None,
-            dh_out is not None,
-            n,
-            vec,
-        )
-        kernel(x, weight, dy, dh_out, None, rstd, dx, dw_partial, None, num_ctas, ti.current_stream(x.device))
-    ti.sum_partial_rows(dw_partial, dw)
+    """Launch the backward kernel on 2-D (M, N) tensors (realigned for it)."""
+    dtype, n = ti.dtype_name(x.dtype), x.shape[1]
+    # The call as far as the backward sees it (the forward's vector width
+    # does not change the backward object).
+    plan = plan_for(RMSNormCall(dtype, _name(weight), dh_out is not None, n, ti.full_width(n, dtype), True))
+    _launch_bwd(plan.kernel_of("backward"), x, weight, dy, dh_out, rstd, dx, dw)
 
 
 def _validate(x, weight, residual) -> None:
@@ -141,9 +181,10 @@ def _validate(x, weight, residual) -> None:
             )
 
 
-def rmsnorm_fwd(x, weight=None, residual=None, eps=1e-6, store_rstd=True):
-    """Allocate outputs and run the forward op: returns (y, x + residual or None,
-    rstd or None)."""
+def rmsnorm_fwd(x, weight=None, residual=None, eps=1e-6, store_rstd=True, plan: Optional[Plan] = None):
+    """Allocate outputs and run the forward: returns (y, x + residual or None,
+    rstd or None).  ``plan``: the call's (eager); None goes through the
+    registered op (torch.compile, or direct use)."""
     n = x.shape[-1]
     x2 = ti.as_rows(x, n)
     res2 = ti.as_rows(residual, n) if residual is not None else None
@@ -152,27 +193,31 @@ def rmsnorm_fwd(x, weight=None, residual=None, eps=1e-6, store_rstd=True):
     rstd = torch.empty(x2.shape[0], device=x.device, dtype=torch.float32) if store_rstd else None
     if x2.shape[0] > 0:
         h2 = ti.as_rows(h, n) if h is not None else None
-        _rmsnorm_fwd(x2, weight, res2, ti.as_rows(out, n), h2, rstd, eps)
+        args = (x2, weight, res2, ti.as_rows(out, n), h2, rstd, eps)
+        _launch_fwd(plan, *args) if plan is not None else _rmsnorm_fwd(*args)
     return out, h, rstd
 
 
-def rmsnorm_bwd(h, weight, dy, rstd, dh_out=None):
-    """Allocate gradients and run the backward op: returns (dh, dweight or None)."""
+def rmsnorm_bwd(h, weight, dy, rstd, dh_out=None, plan: Optional[Plan] = None):
+    """Allocate gradients and run the backward: returns (dh, dweight or None)."""
     n = h.shape[-1]
+    dy = dy.contiguous()
     dh2 = ti.as_rows(dh_out.contiguous(), n) if dh_out is not None else None
     dx = torch.empty_like(h)
     dw = torch.empty_like(weight) if weight is not None else None
-    _rmsnorm_bwd(ti.as_rows(h, n), weight, ti.as_rows(dy.contiguous(), n), dh2, rstd, ti.as_rows(dx, n), dw)
+    args = (ti.as_rows(h, n), weight, ti.as_rows(dy, n), dh2, rstd, ti.as_rows(dx, n), dw)
+    _launch_bwd(plan.kernel_of("backward"), *args) if plan is not None else _rmsnorm_bwd(*args)
     return dx, dw
 
 
 class _RMSNormFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, residual, eps):
+    def forward(ctx, x, weight, residual, eps, plan):
         # Kernels take plain tensors (DLPack refuses ones that require grad).
         x, weight, residual = (t.detach() if t is not None else None for t in (x, weight, residual))
-        y, h, rstd = rmsnorm_fwd(x, weight, residual, eps)
+        y, h, rstd = rmsnorm_fwd(x, weight, residual, eps, plan=plan)
         ctx.has_residual = residual is not None
+        ctx.plan = plan
         ctx.save_for_backward(h if h is not None else x, weight, rstd)
         if h is not None:
             return y, h
@@ -182,10 +227,10 @@ class _RMSNormFunction(torch.autograd.Function):
     def backward(ctx, dy, dh_out=None):
         # A saved output (x + residual) comes back requiring grad; kernels take plain tensors.
         h, weight, rstd = (t.detach() if t is not None else None for t in ctx.saved_tensors)
-        dh, dw = rmsnorm_bwd(h, weight, dy, rstd, dh_out if ctx.has_residual else None)
+        dh, dw = rmsnorm_bwd(h, weight, dy, rstd, dh_out if ctx.has_residual else None, ctx.plan)
         if weight is None or not ctx.needs_input_grad[1]:
             dw = None
-        return dh, dw, dh if ctx.has_residual else None, None
+        return dh, dw, dh if ctx.has_residual else None, None, None
 
 
 def rmsnorm(x, weight=None, eps: float = 1e-6, residual=None):
@@ -197,24 +242,18 @@ def rmsnorm(x, weight=None, eps: float = 1e-6, residual=None):
     """
     _validate(x, weight, residual)
     backward = ti.will_backward(x, weight, residual)
+    # While torch.compile traces there are no addresses: the registered ops
+    # take their plans from the real tensors when the graph runs.
+    plan = None if torch.compiler.is_compiling() else plan_for(call_signature(x, weight, residual, backward))
     if is_compile_only():
-        return _warm(x, weight, residual, eps, backward)
+        # Export every kernel of the plan; the launches below are no-ops and
+        # build no graph (autograd cannot run on fake CUDA tensors).
+        plan.warm()
+        backward = False
     if backward:
-        return _RMSNormFunction.apply(x, weight, residual, eps)
-    y, h, _ = rmsnorm_fwd(x, weight, residual, eps, store_rstd=False)
-    return (y, h) if residual is not None else y
-
-
-@torch.no_grad()
-def _warm(x, weight, residual, eps, backward):
-    """Compile-only: export the kernels the eager call would run: the forward,
-    and the backward when autograd will run one (autograd itself cannot run on
-    fake CUDA tensors with a CPU-only torch, see quack/testing/autograd.py).
-    Outputs carry no graph."""
-    y, h, rstd = rmsnorm_fwd(x, weight, residual, eps, store_rstd=backward)
-    if backward:
-        dh_out = torch.empty_like(h) if h is not None else None
-        rmsnorm_bwd(h if h is not None else x, weight, torch.empty_like(y), rstd, dh_out)
+        return _RMSNormFunction.apply(x, weight, residual, eps, plan)
+    with torch.no_grad():
+        y, h, _ = rmsnorm_fwd(x, weight, residual, eps, store_rstd=plan is not None and plan.signature.backward, plan=plan)
     return (y, h) if residual is not None else y
 
 

@@ -16,6 +16,7 @@ Test: ``pytest tests/test_softmax.py``; benchmark: ``python tools/bench/softmax.
 
 from __future__ import annotations
 
+from typing import ClassVar, Optional
 
 import cutlass.cute as cute
 import torch
@@ -25,6 +26,7 @@ from quack import torch_interop as ti
 from quack.cache import compile_options, jit_cache
 from quack.compile_only import is_compile_only
 from quack.cute_op import cute_op
+from quack.plan import Kernel, Plan, Signature, plan_for, signature
 from quack.rowwise import backward_config, forward_config
 from quack.softmax_kernels import SoftmaxBackward, SoftmaxForward
 
@@ -56,59 +58,100 @@ def compile_softmax_bwd(dtype: str, n: int, vec: int):
     )
 
 
+@signature
+class SoftmaxCall(Signature):
+    """What decides a ``quack.softmax`` call's kernels: the dtype, N, the
+    forward's vector width and whether a backward will run."""
+
+    OP: ClassVar[str] = "softmax"
+    dtype: str
+    n: int
+    vec: int
+    backward: bool
+
+    def kernels(self):
+        forward = Kernel(compile_softmax_fwd, (self.dtype, self.n, self.vec))
+        if not self.backward:
+            return (("forward", forward),)
+        # The backward's inputs are realigned (ti.aligned): full vector width.
+        backward = Kernel(compile_softmax_bwd, (self.dtype, self.n, ti.full_width(self.n, self.dtype)))
+        return (("forward", forward), ("backward", backward))
+
+
+def call_signature(x, backward: bool) -> SoftmaxCall:
+    """The signature of a call on x (the vector width from its alignment)."""
+    n = x.shape[-1]
+    return SoftmaxCall(ti.dtype_name(x.dtype), n, ti.vector_width(n, x), backward)
+
+
+def _launch_fwd(plan: Plan, x, out) -> None:
+    plan.kernel("forward")(x, out, ti.current_stream(x.device))
+
+
+def _launch_bwd(kernel: Kernel, y, dy, dx) -> None:
+    # The object runs at full vector width: realign what autograd handed us.
+    kernel.load()(ti.aligned(y), ti.aligned(dy), dx, ti.current_stream(y.device))
+
+
+# The registered ops, which torch.compile's graphs call: each takes its
+# kernel from its own (real) tensors.
 @cute_op("quack::softmax_fwd", mutates_args=("out",))
 def _softmax_fwd(x: torch.Tensor, out: torch.Tensor) -> None:
     """Launch the forward kernel on 2-D (M, N) tensors."""
-    n = x.shape[1]
-    kernel = compile_softmax_fwd(ti.dtype_name(x.dtype), n, ti.vector_width(n, x, out))
-    kernel(x, out, ti.current_stream(x.device))
+    _launch_fwd(plan_for(call_signature(x, False)), x, out)
 
 
 @cute_op("quack::softmax_bwd", mutates_args=("dx",))
 def _softmax_bwd(y: torch.Tensor, dy: torch.Tensor, dx: torch.Tensor) -> None:
-    """Launch the backward kernel on 2-D (M, N) tensors."""
-    n = y.shape[1]
-    kernel = compile_softmax_bwd(ti.dtype_name(y.dtype), n, ti.vector_width(n, y, dy, dx))
-    kernel(y, dy, dx, ti.current_stream(y.device))
+    """Launch the backward kernel on 2-D (M, N) tensors (realigned for it)."""
+    dtype, n = ti.dtype_name(y.dtype), y.shape[1]
+    # The call as far as the backward sees it (the forward's vector width
+    # does not change the backward object).
+    plan = plan_for(SoftmaxCall(dtype, n, ti.full_width(n, dtype), True))
+    _launch_bwd(plan.kernel_of("backward"), y, dy, dx)
 
 
 def _validate(x) -> None:
     ti.check_row_input("quack.softmax", "x", x, MAX_N)
 
 
-def softmax_fwd(x: torch.Tensor) -> torch.Tensor:
-    """Allocate y and run the forward op."""
+def softmax_fwd(x: torch.Tensor, plan: Optional[Plan] = None) -> torch.Tensor:
+    """Allocate y and run the forward.  ``plan``: the call's (eager); None
+    goes through the registered op (torch.compile, direct use)."""
     n = x.shape[-1]
     out = torch.empty_like(x)
     x2 = ti.as_rows(x, n)
     if x2.shape[0] > 0:
-        _softmax_fwd(x2, ti.as_rows(out, n))
+        args = (x2, ti.as_rows(out, n))
+        _launch_fwd(plan, *args) if plan is not None else _softmax_fwd(*args)
     return out
 
 
-def softmax_bwd(y: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
-    """Allocate dx and run the backward op (dy is made contiguous in y's dtype)."""
+def softmax_bwd(y: torch.Tensor, dy: torch.Tensor, plan: Optional[Plan] = None) -> torch.Tensor:
+    """Allocate dx and run the backward (dy is made contiguous in y's dtype)."""
     n = y.shape[-1]
     dy = dy.to(y.dtype).contiguous()
     dx = torch.empty_like(y)
     y2 = ti.as_rows(y, n)
     if y2.shape[0] > 0:
-        _softmax_bwd(y2, ti.as_rows(dy, n), ti.as_rows(dx, n))
+        args = (y2, ti.as_rows(dy, n), ti.as_rows(dx, n))
+        _launch_bwd(plan.kernel_of("backward"), *args) if plan is not None else _softmax_bwd(*args)
     return dx
 
 
 class _SoftmaxFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x):
+    def forward(ctx, x, plan):
         # Kernels take plain tensors (DLPack refuses ones that require grad).
-        y = softmax_fwd(x.detach())
+        y = softmax_fwd(x.detach(), plan)
+        ctx.plan = plan
         ctx.save_for_backward(y)
         return y
 
     @staticmethod
     def backward(ctx, dy):
         (y,) = ctx.saved_tensors
-        return softmax_bwd(y.detach(), dy)
+        return softmax_bwd(y.detach(), dy, ctx.plan), None
 
 
 def softmax(x: torch.Tensor) -> torch.Tensor:
@@ -120,23 +163,18 @@ def softmax(x: torch.Tensor) -> torch.Tensor:
     """
     _validate(x)
     backward = ti.will_backward(x)
+    # While torch.compile traces there are no addresses: the registered ops
+    # take their kernels from the real tensors when the graph runs.
+    plan = None if torch.compiler.is_compiling() else plan_for(call_signature(x, backward))
     if is_compile_only():
-        return _warm(x, backward)
+        # Export every kernel of the plan; the launch below is a no-op and
+        # builds no graph (autograd cannot run on fake CUDA tensors).
+        plan.warm()
+        backward = False
     if backward:
-        return _SoftmaxFunction.apply(x)
-    return softmax_fwd(x)
-
-
-@torch.no_grad()
-def _warm(x, backward):
-    """Compile-only: export the kernels the eager call would run: the forward,
-    and the backward when autograd will run one (autograd cannot run on fake
-    CUDA tensors with a CPU-only torch, see quack/testing/autograd.py).  The
-    output carries no graph."""
-    y = softmax_fwd(x)
-    if backward:
-        softmax_bwd(y, torch.empty_like(y))
-    return y
+        return _SoftmaxFunction.apply(x, plan)
+    with torch.no_grad():
+        return softmax_fwd(x, plan)
 
 
 def softmax_ref(x: torch.Tensor) -> torch.Tensor:

@@ -17,6 +17,7 @@ from quack.compile_only import grad_enabled, is_compile_only
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 _CUTE_DTYPES = {"float32": Float32, "float16": Float16, "bfloat16": BFloat16}
+_ELEMENT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 _DTYPE_NAMES = {d: str(d).removeprefix("torch.") for d in (*FLOAT_DTYPES, torch.int32, torch.int64)}
 _FakeTensor = torch._subclasses.fake_tensor.FakeTensor
 _SM_COUNTS: dict[int, int] = {}
@@ -51,6 +52,21 @@ def vector_width(n: int, x: torch.Tensor, *others: torch.Tensor | None) -> int:
         if not addresses & 15:
             return math.gcd(n, 16 // x.element_size())
     return rowwise.vector_width(n, x.element_size(), *((address(t), t.element_size()) for t in present))
+
+
+def full_width(n: int, dtype: str) -> int:
+    """The vector width of rows of N ``dtype`` values whose tensors are all
+    16-byte aligned (``aligned``): what a backward kernel is compiled for."""
+    return rowwise.vector_width(n, _ELEMENT_BYTES[dtype])
+
+
+def aligned(t: torch.Tensor | None) -> torch.Tensor | None:
+    """``t``, or a contiguous copy when its base is not 16-byte aligned: the
+    backward kernels run at ``full_width`` whatever views autograd hands them."""
+    if t is None or address(t) % 16 == 0:
+        return t
+    copy = t.clone(memory_format=torch.contiguous_format)
+    return as_rows(copy, t.shape[-1]) if t.dim() == 2 else copy
 
 
 def will_backward(*tensors: torch.Tensor | None) -> bool:

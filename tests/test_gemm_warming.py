@@ -1,8 +1,8 @@
 """Compile-only warming of the GEMM from test code sized by ``.item()`` (no GPU needed).
 
-Under compile-only, ``.item()`` returns a sentinel, so a size-dependent tile
-heuristic would pick a configuration the real run may not use: the op exports
-every configuration the heuristic can pick instead, and each is shape-free.
+Under compile-only, ``.item()`` returns a sentinel, so the rows per group a
+size-dependent tile heuristic reads are not the real run's: a varlen call's
+plan holds the object of each class of group size, and each is shape-free.
 """
 
 import json
@@ -12,7 +12,8 @@ from cache_fixtures.env import cache_env  # noqa: F401  (fixture)
 
 import quack
 from quack.compile_only import compile_only_mode
-from quack.gemm import LARGE_GROUP_ROWS, candidate_configs, gemm_config
+from quack.gemm import GROUP_CLASSES, LARGE_GROUP_ROWS, GemmCall, gemm_config
+from quack.plan import plan_for
 
 
 def _configs_in(layer):
@@ -29,16 +30,22 @@ def test_sentinel_sized_varlen_call_exports_every_candidate(cache_env):  # noqa:
         b = torch.empty(8, 512, 1024, device="cuda", dtype=torch.bfloat16)
         quack.gemm(a, b, cu_seqlens_m=cu)
         quack.gemm(a, b.select(0, 0))
-    expected = sorted([(True, tuple(c)) for c in candidate_configs(True)]
-                      + [(False, tuple(c)) for c in candidate_configs(False)])
+    # Exactly the objects of the two calls' plans: both group classes of the
+    # varlen call (its rows per group came from a sentinel), one dense.
+    varlen = plan_for(GemmCall("bfloat16", "bfloat16", True, True, 256))
+    dense = plan_for(GemmCall("bfloat16", "bfloat16", True, False, 256))
+    expected = sorted((k.args[3], k.args[4]) for p in (varlen, dense) for _, k in p.kernels)
     assert _configs_in(cache_env.writable) == expected
-    assert len(candidate_configs(True)) == 4 and len(candidate_configs(False)) == 2
+    assert len(expected) == 3
 
 
-def test_candidates_hold_every_config_the_heuristic_picks():
-    # The candidates come from the heuristic's own code: sweep the heuristic
-    # over N and group sizes, so a configuration outside them cannot hide.
+def test_plans_hold_every_config_the_heuristic_picks():
+    # Sweep the heuristic over N and group sizes: whatever it picks at run
+    # time is an object of the call's plan, so warming the plan covers it.
     for n in range(8, 4104, 8):
-        assert gemm_config(n) in candidate_configs(False), n
-        for rows in (0.5, 1, 100, LARGE_GROUP_ROWS - 1, LARGE_GROUP_ROWS, 1e9):
-            assert gemm_config(n, rows) in candidate_configs(True), (n, rows)
+        for varlen, sizes in ((False, (None,)), (True, (0.5, 1, 100, LARGE_GROUP_ROWS - 1, LARGE_GROUP_ROWS, 1e9))):
+            plan = plan_for(GemmCall("bfloat16", "bfloat16", True, varlen, gemm_config(n).tile_n))
+            configs = {k.args[4] for _, k in plan.kernels}
+            for rows in sizes:
+                assert tuple(gemm_config(n, rows)) in configs, (n, rows)
+    assert [role for role, _ in GROUP_CLASSES] == ["small_groups", "large_groups"]

@@ -237,7 +237,7 @@ for s in spawns:
             continue
         if rel not in inputs:
             problems.append("%s: module %s is not a declared input" % (s["targetLabel"], rel))
-    for need in ("tools/warm_cache.py", "requirements_lock.txt", "tools/configs/production.json", "tests/test_%s.py" % family):
+    for need in ("tools/warm_cache.py", "requirements_lock.txt", "tools/configs/production.jsonl", "tests/test_%s.py" % family):
         if need not in inputs:
             problems.append("%s: %s is not a declared input" % (s["targetLabel"], need))
     print("   %s: %d declared inputs, all relative; command and environment relative" % (s["targetLabel"], len(inputs)))

@@ -8,7 +8,7 @@ one action whose output is one directory:
 
 The action's inputs are exactly: the family's module and the modules shared by every family
 (never another family's module, so editing one family reruns that family's action only), the
-family's tests, the production configuration manifest, the warm_cache script, the lock and the
+family's tests, the manifests of calls to warm, the warm_cache script, the lock and the
 pinned interpreter (whose shim names the lock's digest). Its outputs are byte-identical across
 clean builds, output bases and checkout folders, so any Bazel cache shares them.
 
@@ -38,14 +38,14 @@ def _kernel_cache_impl(ctx):
     args.add(out.path, format = "--out=%s")
     args.add(ctx.attr.family, format = "--family=%s")
     args.add_all(ctx.files.tests, format_each = "--tests=%s")
-    args.add(ctx.file.configs, format = "--configs=%s")
+    args.add_all(ctx.files.manifests, format_each = "--configs=%s")
 
     ctx.actions.run(
         executable = runtime.interpreter,
         arguments = [args],
         inputs = depset(
             ctx.files.srcs + ctx.files.tests + ctx.files.data +
-            [ctx.file.warm_cache, ctx.file.configs, ctx.file.lock],
+            ctx.files.manifests + [ctx.file.warm_cache, ctx.file.lock],
             transitive = [runtime.files],
         ),
         outputs = [out],
@@ -71,10 +71,13 @@ kernel_cache = rule(
     doc = "One kernel family's objects, compiled without a GPU by tools/warm_cache.py.",
     attrs = {
         "arch": attr.string(default = "sm_90a", doc = "GPU arch the objects are compiled for."),
-        "configs": attr.label(mandatory = True, allow_single_file = [".json"], doc = "Production configuration manifest."),
         "data": attr.label_list(allow_files = True, doc = "Other inputs the run reads (pytest configuration)."),
         "family": attr.string(mandatory = True, doc = "Kernel family (module quack/<family>.py)."),
         "lock": attr.label(mandatory = True, allow_single_file = True, doc = "The Python lock file."),
+        "manifests": attr.label_list(
+            allow_files = [".jsonl"],
+            doc = "Manifests of calls to warm beside the tests (quack/manifest.py), e.g. recorded with QUACK_CACHE_RECORD.",
+        ),
         "matrix": attr.string(
             default = "ci",
             values = ["ci", "full"],
@@ -105,7 +108,7 @@ kernel_cache_set = rule(
     },
 )
 
-def kernel_caches(*, name, families = KERNEL_FAMILIES, shared_srcs, family_srcs, tests, configs, lock, warm_cache, data = [], arch = "sm_90a", matrix = "ci"):
+def kernel_caches(*, name, families = KERNEL_FAMILIES, shared_srcs, family_srcs, tests, manifests, lock, warm_cache, data = [], arch = "sm_90a", matrix = "ci"):
     """One `kernel_cache` per family, `<name>_<family>`, and their union `<name>`.
 
     Args:
@@ -114,7 +117,7 @@ def kernel_caches(*, name, families = KERNEL_FAMILIES, shared_srcs, family_srcs,
       shared_srcs: modules every family may import (the package without any family module).
       family_srcs: dict family -> list of its own modules (quack/<family>.py, quack/<family>_*.py).
       tests: dict family -> list of test file labels that warm it.
-      configs: the production configuration manifest.
+      manifests: manifests of calls to warm beside the tests (each family warms its ops' entries).
       lock: the Python lock file (a declared input: a lock change recompiles everything).
       warm_cache: tools/warm_cache.py.
       data: other files each run reads (pytest configuration).
@@ -131,7 +134,7 @@ def kernel_caches(*, name, families = KERNEL_FAMILIES, shared_srcs, family_srcs,
         kernel_cache(
             name = "%s_%s" % (name, family),
             arch = arch,
-            configs = configs,
+            manifests = manifests,
             data = data,
             family = family,
             lock = lock,

@@ -1,14 +1,16 @@
 """Fill a kernel cache directory in compile-only mode: no GPU, nothing launched.
 
     python tools/warm_cache.py --out=DIR --family=rmsnorm \
-        --tests=tests/test_rmsnorm.py --configs=tools/configs/production.json
+        --tests=tests/test_rmsnorm.py --configs=tools/configs/production.jsonl
 
-Two sources of kernel calls, both run on fake CUDA tensors:
+Two sources of kernel calls, both on fake CUDA tensors:
 
 * test files, through ``pytest --compile-only`` (the quack pytest plugin), so
   every object a GPU run of those tests needs is exported;
-* a JSON manifest of production configurations (op, dtypes, shape, flags),
-  for shapes no test uses.
+* manifests of call signatures (``quack/manifest.py``; ``--configs``,
+  repeatable), such as tools/configs/production.jsonl or a file a job
+  recorded with ``QUACK_CACHE_RECORD=FILE``: each call's plan is warmed,
+  with no per-op code here.
 
 The result is DIR/<family>/<key>.o + .json sidecars and DIR/manifest.json
 (key hash, file, sha256, in sorted order), byte-identical from run to run.
@@ -33,114 +35,28 @@ FLAGS = flags.FLAGS
 flags.DEFINE_string("out", None, "Cache directory to fill (the writable layer).", required=True)
 flags.DEFINE_multi_string("family", [], "Kernel families to warm (default: every family seen).")
 flags.DEFINE_multi_string("tests", [], "Test files to run under pytest --compile-only.")
-flags.DEFINE_string("configs", None, "JSON manifest of production configurations.")
+flags.DEFINE_multi_string("configs", [], "Manifests of calls to warm (quack/manifest.py; repeatable).")
 flags.DEFINE_string("arch", None, "GPU arch to compile for (default: QUACK_ARCH or sm_90a).")
 
 
-def _warm_rmsnorm(cfg: dict) -> None:
-    import torch
-
-    import quack
-
-    dtype = getattr(torch, cfg["dtype"])
-    shape = tuple(cfg["shape"])
-    grad = bool(cfg.get("grad", False))
-    x = torch.empty(shape, device="cuda", dtype=dtype, requires_grad=grad)
-    w = None
-    if cfg.get("weight_dtype"):
-        w = torch.empty(shape[-1], device="cuda", dtype=getattr(torch, cfg["weight_dtype"]))
-    r = torch.empty(shape, device="cuda", dtype=dtype) if cfg.get("residual") else None
-    quack.rmsnorm(x, w, residual=r)
-
-
-def _warm_softmax(cfg: dict) -> None:
-    import torch
-
-    import quack
-
-    x = torch.empty(tuple(cfg["shape"]), device="cuda", dtype=getattr(torch, cfg["dtype"]),
-                    requires_grad=bool(cfg.get("grad", False)))
-    quack.softmax(x)
-
-
-def _warm_cross_entropy(cfg: dict) -> None:
-    import torch
-
-    import quack
-
-    shape = tuple(cfg["shape"])
-    logits = torch.empty(shape, device="cuda", dtype=getattr(torch, cfg["dtype"]),
-                         requires_grad=bool(cfg.get("grad", False)))
-    target = torch.zeros(shape[:-1], device="cuda", dtype=getattr(torch, cfg.get("target_dtype", "int64")))
-    quack.cross_entropy(logits, target)
-
-
-def _warm_layernorm(cfg: dict) -> None:
-    import torch
-
-    import quack
-
-    dtype = getattr(torch, cfg["dtype"])
-    shape = tuple(cfg["shape"])
-    grad = bool(cfg.get("grad", False))
-    x = torch.empty(shape, device="cuda", dtype=dtype, requires_grad=grad)
-    w = b = None
-    if cfg.get("weight_dtype"):
-        w = torch.empty(shape[-1], device="cuda", dtype=getattr(torch, cfg["weight_dtype"]),
-                        requires_grad=grad)
-        if cfg.get("bias", True):
-            b = torch.empty_like(w, requires_grad=grad)
-    quack.layernorm(x, w, b)
-
-
-def _warm_gemm(cfg: dict) -> None:
-    import torch
-
-    import quack
-
-    dtype = getattr(torch, cfg["dtype"])
-    m, n, k = cfg["shape"]
-    groups = cfg.get("groups")
-    a = torch.empty(m, k, device="cuda", dtype=dtype)
-    # B row-major (N contiguous) or column-major (K contiguous) per group.
-    b_strides = (n, 1) if cfg.get("b_layout", "row") == "row" else (1, k)
-    b_shape, b_strides = ((groups, k, n), (k * n, *b_strides)) if groups else ((k, n), b_strides)
-    b = torch.empty_strided(b_shape, b_strides, device="cuda", dtype=dtype)
-    cu = torch.zeros(groups + 1, device="cuda", dtype=torch.int32) if groups else None
-    out_dtype = getattr(torch, cfg["out_dtype"]) if cfg.get("out_dtype") else None
-    quack.gemm(a, b, out_dtype=out_dtype, cu_seqlens_m=cu)
-
-
-# op name in the manifest -> (family, function that makes the calls)
-WARMERS = {
-    "rmsnorm": ("rmsnorm", _warm_rmsnorm),
-    "softmax": ("softmax", _warm_softmax),
-    "cross_entropy": ("cross_entropy", _warm_cross_entropy),
-    "layernorm": ("layernorm", _warm_layernorm),
-    "gemm": ("gemm", _warm_gemm),
-}
-
-
-def warm_configs(path: Path, families: set[str]) -> int:
-    """Run every manifest entry of the selected families; returns how many ran."""
+def warm_manifests(paths: list[str], families: set[str]) -> int:
+    """Warm every call of the manifests (quack/manifest.py) of the selected
+    families (an op's name is its family's), through its plan; returns how
+    many calls."""
+    from quack import manifest, plan
     from quack.compile_only import compile_only_mode
 
-    entries = json.loads(path.read_text())["configs"]
     done = 0
-    for i, cfg in enumerate(entries):
-        op = cfg.get("op")
-        if op not in WARMERS:
-            raise app.UsageError(f"{path}: entry {i} names unknown op {op!r}; known: {sorted(WARMERS)}")
-        family, warm = WARMERS[op]
-        if families and family not in families:
-            continue
-        logging.info("config %d/%d: %s", i + 1, len(entries), json.dumps(cfg, sort_keys=True))
-        # A training configuration is also evaluated without grad, which can
-        # use other kernels (no saved statistics): warm both.
-        for grad in (True, False) if cfg.get("grad") else (False,):
+    for path in paths:
+        try:
+            calls = manifest.read(path, families or None)
+        except manifest.ManifestError as e:
+            raise app.UsageError(str(e)) from None
+        for sig in calls:
+            logging.info("%s: %s", path, plan.entry_line(sig))
             with compile_only_mode():
-                warm({**cfg, "grad": grad})
-        done += 1
+                plan.plan_for(sig).warm()
+            done += 1
     return done
 
 
@@ -185,14 +101,14 @@ def main(argv: list[str]) -> None:
         os.environ["QUACK_ARCH"] = FLAGS.arch
     if FLAGS.tests:
         warm_tests(FLAGS.tests)
-    configs = warm_configs(Path(FLAGS.configs), set(FLAGS.family)) if FLAGS.configs else 0
+    configs = warm_manifests(FLAGS.configs, set(FLAGS.family))
 
     from quack.cache import stats
 
     entries = write_manifest(out)
     s = stats()
     logging.info(
-        "warmed %s: %d objects (%d exported now, %d already present), %d configs, %.1f s compiling",
+        "warmed %s: %d objects (%d exported now, %d already present), %d manifest calls, %.1f s compiling",
         ",".join(FLAGS.family) or "all families", len(entries), s["exports"],
         sum(s["hits"].values()), configs, s["compile_seconds"],
     )

@@ -1,0 +1,160 @@
+"""Plans: what one call signature needs, decided once per process.
+
+Each public op maps a call to a *signature*: a small frozen dataclass of what
+decides its kernels (dtypes, N, vector widths from alignment, flags, whether a
+backward will run under the current grad mode).  ``plan_for(signature)``
+turns it into a :class:`Plan`, the compiled objects by role ("forward",
+"backward", ...), each named by its compile function and arguments (the
+object key).  Plans are cached per signature, so a repeated call costs a
+dictionary lookup.
+
+One plan serves every path: the eager call launches its kernels, the
+autograd backward takes its "backward" kernel, compile-only mode warms all
+of them (``Plan.warm``), and a manifest (``quack/manifest.py``) is a list of
+signatures that tools/warm_cache.py warms through the same plans.  The arch
+is not part of a signature: it is part of every object's key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import json
+import threading
+from typing import Any, Callable, ClassVar
+
+from quack.cache import CacheMissError
+
+_SIGNATURES: dict[str, type] = {}  # op name -> signature class
+_PLANS: dict[Any, "Plan"] = {}
+_LOCK = threading.Lock()
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernel:
+    """One compiled object: a ``jit_cache`` compile function and its arguments."""
+
+    compile: Callable
+    args: tuple
+    # The manifest line of the plan that holds it, for a strict-mode miss.
+    origin: str = dataclasses.field(default="", compare=False)
+
+    def load(self):
+        """The launchable handle (compiled or exported on a miss; a no-op in
+        compile-only mode).  A strict-mode miss names the manifest entry that
+        would have warmed it."""
+        try:
+            return self.compile(*self.args)
+        except CacheMissError as e:
+            if not self.origin:
+                raise
+            raise CacheMissError(
+                f"{e}\nThe call's manifest entry (add it to a manifest that warms the cache, "
+                f"or record it with QUACK_CACHE_RECORD=FILE): {self.origin}"
+            ) from e
+
+    def describe(self) -> str:
+        return f"{self.compile.__name__}{self.args!r}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """The kernels one signature needs, by role; built by the signature's ``kernels()``."""
+
+    signature: Any
+    kernels: tuple[tuple[str, Kernel], ...]
+
+    def kernel_of(self, role: str) -> Kernel:
+        for name, kernel in self.kernels:
+            if name == role:
+                return kernel
+        raise KeyError(f"{type(self.signature).OP} plan has no {role!r} kernel")
+
+    def kernel(self, role: str):
+        """The launchable handle of the kernel for ``role``."""
+        return self.kernel_of(role).load()
+
+    def warm(self) -> None:
+        """Load (in compile-only mode: export) every kernel of the plan."""
+        for _, kernel in self.kernels:
+            kernel.load()
+
+
+class Signature:
+    """Base of the op signatures: frozen dataclasses with ``OP`` (the manifest
+    name, which is also the op's module and kernel family) and ``kernels()``."""
+
+    OP: ClassVar[str]
+
+    def kernels(self) -> tuple[tuple[str, Kernel], ...]:
+        raise NotImplementedError
+
+    def entry(self) -> dict:
+        """The manifest entry: ``{"op": ..., field: value, ...}``."""
+        return {"op": self.OP, **dataclasses.asdict(self)}
+
+
+def signature(cls):
+    """Class decorator: a frozen dataclass registered under its ``OP``."""
+    cls = dataclasses.dataclass(frozen=True)(cls)
+    if cls.OP in _SIGNATURES:
+        raise ValueError(f"two signatures for op {cls.OP!r}")
+    _SIGNATURES[cls.OP] = cls
+    return cls
+
+
+def plan_for(sig: Signature) -> Plan:
+    """The plan of ``sig``: built on first use in this process, then looked up.
+    A new signature is also recorded (``QUACK_CACHE_RECORD``)."""
+    plan = _PLANS.get(sig)
+    if plan is None:
+        with _LOCK:
+            plan = _PLANS.get(sig)
+            if plan is None:
+                origin = entry_line(sig)
+                kernels = tuple((role, dataclasses.replace(k, origin=origin)) for role, k in sig.kernels())
+                plan = _PLANS[sig] = Plan(sig, kernels)
+        from quack import manifest
+
+        manifest.record(sig)
+    return plan
+
+
+def entry_line(sig: Signature) -> str:
+    """A signature as one manifest line (keys sorted: the same call, the same line)."""
+    return json.dumps(sig.entry(), sort_keys=True)
+
+
+def from_entry(entry: dict) -> Signature:
+    """The signature a manifest entry names; ValueError for an unknown op or
+    fields that are not exactly the op's.  Op ``X``'s signature is defined
+    in ``quack/X.py``, imported here on demand (a family's build action
+    holds only its own module)."""
+    if not isinstance(entry, dict) or not isinstance(entry.get("op"), str):
+        raise ValueError(f"a manifest entry must be an object with an 'op' name, got {entry!r}")
+    cls = signature_class(entry["op"])
+    given = set(entry) - {"op"}
+    wanted = {f.name for f in dataclasses.fields(cls)}
+    if given != wanted:
+        missing, extra = sorted(wanted - given), sorted(given - wanted)
+        raise ValueError(f"{entry['op']} entry fields differ from the signature: missing {missing}, unknown {extra}")
+    return cls(**{k: v for k, v in entry.items() if k != "op"})
+
+
+def signature_class(op: str) -> type:
+    """The signature class of op ``op`` (importing ``quack/<op>.py``)."""
+    if op not in _SIGNATURES and op.isidentifier():
+        try:
+            importlib.import_module(f"quack.{op}")
+        except ModuleNotFoundError:
+            pass
+    cls = _SIGNATURES.get(op)
+    if cls is None:
+        raise ValueError(f"unknown op {op!r}")
+    return cls
+
+
+def clear() -> None:
+    """Forget every plan (tests that change the cache's knobs)."""
+    with _LOCK:
+        _PLANS.clear()
