@@ -10,7 +10,7 @@ dictionary lookup.
 
 One plan serves every path: the eager call launches its kernels, the
 autograd backward takes its "backward" kernel, compile-only mode warms all
-of them (``Plan.warm``), and a manifest (``quack/manifest.py``) is a list of
+of them (``Plan.warm``), and a manifest (``quack/cache/manifest.py``) is a list of
 signatures that tools/warm_cache.py warms through the same plans.  The arch
 is not part of a signature: it is part of every object's key.
 """
@@ -114,7 +114,7 @@ def plan_for(sig: Signature) -> Plan:
                 origin = entry_line(sig)
                 kernels = tuple((role, dataclasses.replace(k, origin=origin)) for role, k in sig.kernels())
                 plan = _PLANS[sig] = Plan(sig, kernels)
-        from quack import manifest
+        from quack.cache import manifest
 
         manifest.record(sig)
     return plan

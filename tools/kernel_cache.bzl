@@ -76,7 +76,7 @@ kernel_cache = rule(
         "lock": attr.label(mandatory = True, allow_single_file = True, doc = "The Python lock file."),
         "manifests": attr.label_list(
             allow_files = [".jsonl"],
-            doc = "Manifests of calls to warm beside the tests (quack/manifest.py), e.g. recorded with QUACK_CACHE_RECORD.",
+            doc = "Manifests of calls to warm beside the tests (quack/cache/manifest.py), e.g. recorded with QUACK_CACHE_RECORD.",
         ),
         "matrix": attr.string(
             default = "ci",

@@ -7,7 +7,7 @@ Two sources of kernel calls, both on fake CUDA tensors:
 
 * test files, through ``pytest --compile-only`` (the quack pytest plugin), so
   every object a GPU run of those tests needs is exported;
-* manifests of call signatures (``quack/manifest.py``; ``--configs``,
+* manifests of call signatures (``quack/cache/manifest.py``; ``--configs``,
   repeatable), such as tools/configs/production.jsonl or a file a job
   recorded with ``QUACK_CACHE_RECORD=FILE``: each call's plan is warmed,
   with no per-op code here.
@@ -35,15 +35,16 @@ FLAGS = flags.FLAGS
 flags.DEFINE_string("out", None, "Cache directory to fill (the writable layer).", required=True)
 flags.DEFINE_multi_string("family", [], "Kernel families to warm (default: every family seen).")
 flags.DEFINE_multi_string("tests", [], "Test files to run under pytest --compile-only.")
-flags.DEFINE_multi_string("configs", [], "Manifests of calls to warm (quack/manifest.py; repeatable).")
+flags.DEFINE_multi_string("configs", [], "Manifests of calls to warm (quack/cache/manifest.py; repeatable).")
 flags.DEFINE_string("arch", None, "GPU arch to compile for (default: QUACK_ARCH or sm_90a).")
 
 
 def warm_manifests(paths: list[str], families: set[str]) -> int:
-    """Warm every call of the manifests (quack/manifest.py) of the selected
+    """Warm every call of the manifests (quack/cache/manifest.py) of the selected
     families (an op's name is its family's), through its plan; returns how
     many calls."""
-    from quack import manifest, plan
+    from quack import plan
+    from quack.cache import manifest
     from quack.compile_only import compile_only_mode
 
     done = 0

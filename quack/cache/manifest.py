@@ -9,8 +9,9 @@ signature of each call it makes.
 
 Recording is safe with many processes and threads: each new line is appended
 under an exclusive ``flock`` after reading what is there, so a line is
-written once; a line is one ``write``, and a reader skips a last line cut
-short by a process that died mid-write (the next recorder ends it first).
+written once; a line is one ``write``, and a last line cut short by a
+process that died mid-write is skipped by readers and dropped by the next
+recorder.
 """
 
 from __future__ import annotations
@@ -124,7 +125,10 @@ def _append_once(path: str, line: str) -> None:
             return
         out = ""
         if text and not text.endswith("\n"):
-            out += "\n"  # end a line cut short by a recorder that died mid-write
+            # Drop a line cut short by a recorder that died mid-write.
+            text = text[: text.rfind("\n") + 1]
+            os.ftruncate(fd, len(text.encode()))
+            present = {x.strip() for x in text.split("\n")}
         if HEADER not in present:
             if text.strip():
                 raise ManifestError(f"{path}: {RECORD_ENV} names a file that is not a quack manifest")

@@ -1,0 +1,124 @@
+"""Compile-only warms exactly the objects the eager call's plan names, for every
+cell of every op's correctness matrix (CPU only: plans come from metadata).
+
+Each op's ``test_matrix`` runs with ``matrix.check_case`` captured, on fake CUDA
+tensors.  The eager side makes the call with grad mode as the GPU run has it
+(``torch.no_grad()`` for inference) and stops at the op's first plan; the
+compile-only side warms the case as the build does (``matrix.warm``) while
+every object it loads is noted instead of compiled.
+"""
+
+import contextlib
+import importlib
+import warnings
+
+import pytest
+import torch
+
+import quack.plan
+from quack import torch_interop as ti
+from quack.cache import _COMPILE_ONLY_DEPTH
+from quack.compile_only import compile_only_mode
+from quack.testing import matrix
+
+OPS = ("rmsnorm", "layernorm", "softmax", "cross_entropy", "gemm")
+
+
+class _Planned(Exception):
+    """Raised by the patched plan_for: the eager call has chosen its plan."""
+
+    def __init__(self, plan):
+        self.plan = plan
+
+
+def _objects(plan) -> set[str]:
+    return {kernel.describe() for _, kernel in plan.kernels}
+
+
+def _captured_case(test_module, case, monkeypatch):
+    """(ours, inputs, params, mode) that ``test_matrix(case)`` hands to check_case."""
+    got = {}
+
+    def capture(ours, reference, torch_impl, inputs, params, mode, *rest):
+        got.update(ours=ours, inputs=inputs, params=params, mode=mode)
+
+    monkeypatch.setattr(matrix, "check_case", capture)
+    test_module.test_matrix(case)
+    return got["ours"], got["inputs"], got["params"], got["mode"]
+
+
+@contextlib.contextmanager
+def _eager_decisions():
+    """Inside compile-only's fake mode, but with compile-only off: the ops
+    decide as an eager call would (fake tensors still stand in for the GPU)."""
+    token = _COMPILE_ONLY_DEPTH.set(0)
+    try:
+        yield
+    finally:
+        _COMPILE_ONLY_DEPTH.reset(token)
+
+
+def _eager_plan(op_module, ours, inputs, grads, no_grad, monkeypatch):
+    real_plan_for = quack.plan.plan_for
+
+    def stop(sig):
+        raise _Planned(real_plan_for(sig))
+
+    monkeypatch.setattr(op_module, "plan_for", stop)
+    flagged = {k: v.detach().requires_grad_(k in grads) if isinstance(v, torch.Tensor) and v.is_floating_point() else v
+               for k, v in inputs.items()}
+    with _eager_decisions(), (torch.no_grad() if no_grad else contextlib.nullcontext()):
+        try:
+            ours(**flagged)
+        except _Planned as planned:
+            return planned.plan
+    return None  # nothing to launch (an empty GEMM)
+
+
+def _warmed_objects(ours, inputs, grads, no_grad, monkeypatch) -> set[str]:
+    loaded = set()
+
+    def note(kernel):
+        loaded.add(kernel.describe())
+        return lambda *args: None
+
+    monkeypatch.setattr(quack.plan.Kernel, "load", note)
+    matrix.warm(ours, inputs, grads, no_grad)
+    return loaded
+
+
+def _cases():
+    for op in OPS:
+        module = importlib.import_module(f"tests.test_{op}")
+        for case in module.CASES:
+            yield pytest.param(op, case, id=f"{op}-{matrix.case_id(case)}")
+
+
+@pytest.fixture
+def gpu_stand_in(monkeypatch):
+    """What the eager path asks of the GPU, answered as an H200 would."""
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setitem(ti._CAPABILITIES, 0, (9, 0))
+    monkeypatch.setenv("QUACK_ARCH", "sm_90a")
+    warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
+
+
+@pytest.mark.parametrize("op, case", list(_cases()))
+def test_compile_only_warms_the_eager_plan(op, case, monkeypatch, gpu_stand_in):
+    op_module = importlib.import_module(f"quack.{op}")
+    with compile_only_mode():
+        ours, inputs, params, mode = _captured_case(importlib.import_module(f"tests.test_{op}"), case, monkeypatch)
+        floats = [k for k, v in inputs.items() if isinstance(v, torch.Tensor) and v.is_floating_point()]
+        grads = [k for k in floats if matrix.requires_grad(mode, k, params)]
+        no_grad = mode == matrix.INFERENCE
+        with monkeypatch.context() as patch:
+            eager = _eager_plan(op_module, ours, inputs, grads, no_grad, patch)
+        with monkeypatch.context() as patch:
+            warmed = _warmed_objects(ours, inputs, grads, no_grad, patch)
+    if eager is None:
+        assert warmed == set()
+        return
+    assert warmed == _objects(eager), f"eager plan {quack.plan.entry_line(eager.signature)}"
+    # A backward runs exactly when the GPU run takes gradients.
+    if op != "gemm":
+        assert eager.signature.backward == bool(grads and not no_grad)
