@@ -211,3 +211,32 @@ def test_source_hash_is_taken_when_the_family_is_imported(tmp_path, monkeypatch,
         module_source_hash.cache_clear()
         for name in [m for m in sys.modules if m.startswith("fixtures_as_imported")]:
             monkeypatch.delitem(sys.modules, name)
+
+
+def test_dsl_code_generation_settings_enter_the_key(monkeypatch, cache_env):
+    # CUTE_DSL_LINEINFO changes the generated code (the DSL marks it
+    # affects_compile); CUTE_DSL_LOG_LEVEL does not.  None set: no field, so
+    # default builds keep their keys.
+    assert "dsl_settings" not in _key(n=64)
+    plain = keymod.key_hash(_key(n=64))
+    monkeypatch.setenv("CUTE_DSL_LOG_LEVEL", "10")
+    assert keymod.key_hash(_key(n=64)) == plain
+    monkeypatch.setenv("CUTE_DSL_LINEINFO", "1")
+    assert _key(n=64)["dsl_settings"] == {"CUTE_DSL_LINEINFO": "1"}
+    assert keymod.key_hash(_key(n=64)) != plain
+
+
+def test_an_object_built_with_a_dsl_setting_never_loads_without_it(monkeypatch, cache_env):
+    from cache_fixtures.add_kernel import compile_add
+
+    from quack.compile_only import compile_only_mode
+
+    monkeypatch.setenv("CUTE_DSL_LINEINFO", "1")
+    with compile_only_mode():
+        compile_add(48)
+    assert len(list(cache_env.writable.rglob("*.o"))) == 1
+    monkeypatch.delenv("CUTE_DSL_LINEINFO")
+    monkeypatch.setenv("QUACK_CACHE_STRICT", "1")
+    quack.cache.clear()
+    with compile_only_mode(), pytest.raises(quack.cache.CacheMissError):
+        compile_add(48)

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from typing import Any, Callable
 
 
 class KernelHandle:
@@ -11,20 +12,70 @@ class KernelHandle:
     Wraps the ``JitCompiledFunction`` from ``cute.compile`` or from
     ``ExternalBinaryModule[function_prefix]``; ``owner`` keeps the loaded module
     (and its execution engine holding the machine code) alive as long as the handle.
+
+    Devices: a loaded module belongs to the CUDA context it was first launched
+    in, so the handle runs on the device of its first launch (the device of its
+    first CUDA tensor argument), and loads a module of its own for every other
+    device, through ``reload`` (``jit_cache`` sets it: the entry is loaded
+    again, or compiled again where it could not be cached).  Each launch runs
+    with its tensors' device current (a device guard, where it is not).
     """
 
-    __slots__ = ("_fn", "_owner", "keyhash")
+    __slots__ = ("_fn", "_owner", "keyhash", "device", "reload", "_per_device")
 
     def __init__(self, fn: Any, keyhash: str, owner: Any = None) -> None:
         self._fn = fn
         self._owner = owner
         self.keyhash = keyhash
+        self.device: int | None = None  # of the first launch
+        self.reload: Callable[[], "KernelHandle"] | None = None
+        self._per_device: dict[int, KernelHandle] = {}
 
     def __call__(self, *args: Any) -> Any:
-        return self._fn(*args)
+        device = _device_of(args)
+        if device is None:
+            return self._fn(*args)
+        if self.device is None:
+            self.device = device
+        if device == self.device:
+            with _current(device):
+                return self._fn(*args)
+        other = self._per_device.get(device)
+        if other is None:
+            other = self._load_for(device)
+        with _current(device):
+            return other._fn(*args)
+
+    def _load_for(self, device: int) -> "KernelHandle":
+        if self.reload is None:
+            raise RuntimeError(
+                f"kernel {self.keyhash} was loaded on cuda:{self.device} and cannot be loaded again for cuda:{device}"
+            )
+        with _current(device):
+            other = self.reload()
+        other.device = device
+        self._per_device[device] = other
+        return other
 
     def __repr__(self) -> str:
         return f"<KernelHandle {self.keyhash}>"
+
+
+def _device_of(args: tuple) -> int | None:
+    """The device index of the first CUDA tensor argument (None: there is none)."""
+    for arg in args:
+        if getattr(arg, "is_cuda", False):
+            return arg.get_device()
+    return None
+
+
+def _current(device: int):
+    """``device`` made the current CUDA device for the block, when it is not."""
+    import torch
+
+    if torch.cuda.current_device() == device:
+        return contextlib.nullcontext()
+    return torch.cuda.device(device)
 
 
 def _noop_kernel(*args: Any, **kwargs: Any) -> None:

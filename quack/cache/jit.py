@@ -126,7 +126,24 @@ def get_kernel(req: Request) -> Callable[..., Any]:
         handle = _compile(req, load=True)
         with _LOCK:
             _MEMORY[req.keyhash] = handle
+    if handle.reload is None:
+        handle.reload = functools.partial(_load_again, req)
     return handle
+
+
+def _load_again(req: Request) -> KernelHandle:
+    """A handle of its own for another device (``KernelHandle``): the entry
+    loaded again from the first layer that has it valid, or, where none does
+    (it could not be cached), compiled again; strict mode raises there."""
+    for layer in req.layers:
+        if layer.writable and not _writable_trusted(req):
+            continue
+        handle = _probe(layer, req, load=True)
+        if handle is not None:
+            return handle
+    if req.config.strict:
+        raise CacheMissError(_miss_message(req))
+    return _compile_uncached(req, None)
 
 
 def _request(family: str, fn: Callable[..., Any], bound: inspect.BoundArguments) -> Request:

@@ -2,7 +2,9 @@
 
 Included: family, function, source hash of the family's modules, CuTe DSL version,
 the CUDA flavour of the runtime library actually loaded, GPU arch, host target,
-compile options, the static arguments and ``CACHE_FORMAT_VERSION``. Excluded on
+compile options, the static arguments, ``CACHE_FORMAT_VERSION`` and the CuTe DSL
+environment settings that the DSL marks as changing generated code
+(``dsl_settings``: debug, line info, assertions, compiler options, ...). Excluded on
 purpose: Python and torch versions, hostname, checkout path, batch size -- none of
 them changes the bytes (see BUILD_ENV.md), and including them would split the
 cache between machines that could share it.
@@ -14,6 +16,7 @@ import functools
 import hashlib
 import importlib.metadata
 import json
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -39,7 +42,7 @@ def object_key(
     """The key dict of one compiled object (JSON-serialisable, canonical)."""
     for name, value in static_args.items():
         _check_static(function, name, value)
-    return {
+    key = {
         "format": CACHE_FORMAT_VERSION,
         "family": family,
         "function": f"{module}.{function}",
@@ -52,6 +55,40 @@ def object_key(
         # JSON round trip: tuples become lists, as they read back from a sidecar.
         "args": json.loads(json.dumps(static_args)),
     }
+    settings = dsl_settings()
+    if settings:
+        key["dsl_settings"] = settings
+    return key
+
+
+# The CuTe DSL reads its settings from CUTE_DSL_<NAME> environment variables.
+DSL_ENV_PREFIX = "CUTE_DSL"
+
+
+def dsl_settings() -> dict[str, str]:
+    """The CuTe DSL environment variables that are set and that the DSL marks
+    as affecting compilation (``affects_compile``), name -> value.  Settings
+    the DSL computes rather than reads (the path of its runtime libraries)
+    are not variables of their own and stay out: a path would split the
+    cache between machines.  Empty (and absent from the key) by default; the
+    DSL is imported only when some CUTE_DSL_ variable is set."""
+    prefix = DSL_ENV_PREFIX + "_"
+    set_here = {name: value for name, value in os.environ.items() if name.startswith(prefix)}
+    if not set_here:
+        return {}
+    affecting = _compile_affecting_variables()
+    return {name: value for name, value in sorted(set_here.items()) if name in affecting}
+
+
+@functools.lru_cache(maxsize=1)
+def _compile_affecting_variables() -> frozenset[str]:
+    from cutlass.cutlass_dsl.cutlass import CuTeDSLEnvironmentManager
+
+    return frozenset(
+        f"{DSL_ENV_PREFIX}_{setting.source}"
+        for setting in CuTeDSLEnvironmentManager._ENV_VAR_SPEC
+        if setting.affects_compile and isinstance(setting.source, str)
+    )
 
 
 def key_hash(key: dict[str, Any]) -> str:

@@ -16,10 +16,9 @@ output and gradient: the reference is the op evaluated in float64 on the same
 inputs; ours may err at most twice as much as torch's own implementation of
 the op in the input's dtype, both in the largest absolute difference from the
 reference and in the root-mean-square difference, plus a small floor: 16 fp32
-units in the last place at the reference's largest magnitude, or at the size
-of the terms that cancel in it where a test names them (a norm's dx: |w dy|
-times rstd), or, where the exact result is all zero, at the inputs' or
-cotangents' largest magnitude once per input value each result combines.  The floor matters only where
+units in the last place at the reference's largest magnitude, or, where the
+exact result is all zero, at the inputs' or cotangents' largest magnitude
+once per input value each result combines.  The floor matters only where
 torch is (nearly) exact: results that are exactly zero, fp32 results computed
 about as precisely as the reference.  A reference beyond the result dtype's
 range counts as the infinity that rounding to it gives.
@@ -128,16 +127,13 @@ def rms_error(result: torch.Tensor, reference: torch.Tensor) -> float:
     return float(diff.pow(2).mean().sqrt()) if diff.numel() else 0.0
 
 
-def floor(reference: torch.Tensor, inputs=(), terms: float = 0.0) -> float:
-    """``FLOOR`` at the larger of the reference's largest finite magnitude and
-    ``terms``, the size of the terms the result is computed from where they
-    cancel (a norm's dx: |w dy| rstd, which N = 1 makes 1/sqrt(eps) times
-    the inputs); where the exact result is all zero and no ``terms`` are
-    given, at the inputs' largest magnitude times the number of input values
-    that each result combines (a sum of M losses that are each 0 carries M
-    roundings)."""
+def floor(reference: torch.Tensor, inputs=()) -> float:
+    """``FLOOR`` at the reference's largest finite magnitude; where the exact
+    result is all zero, at the inputs' largest magnitude times the number of
+    input values that each result combines (a sum of M losses that are each 0
+    carries M roundings)."""
     finite = reference[reference.isfinite()].abs()
-    scale = max(float(finite.max()) if finite.numel() else 0.0, terms)
+    scale = float(finite.max()) if finite.numel() else 0.0
     if scale > 0:
         return FLOOR * scale
     for t in inputs:
@@ -158,13 +154,12 @@ def representable(reference: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def assert_matches_reference(
     name: str, result: torch.Tensor, reference: torch.Tensor, torch_result: torch.Tensor, inputs=(),
-    terms: float = 0.0,
 ) -> None:
     """Check one output or gradient with the rule above, on both its largest
     and its root-mean-square error (shapes and NaN positions must match)."""
     assert result.shape == reference.shape, f"{name}: shape {tuple(result.shape)} != {tuple(reference.shape)}"
     reference = representable(reference.double(), result.dtype)
-    small = floor(reference, inputs, terms)
+    small = floor(reference, inputs)
     torch_max, torch_rms = max_error(torch_result, reference), rms_error(torch_result, reference)
     atol = 2.0 * torch_max + small
     torch.testing.assert_close(
@@ -239,7 +234,7 @@ def warm(fn, inputs: dict, grads: Sequence[str], no_grad: bool) -> None:
 
 
 def check_case(
-    ours, reference, torch_impl, inputs: dict, params: Sequence[str], mode: str, cotangents, grad_terms=None
+    ours, reference, torch_impl, inputs: dict, params: Sequence[str], mode: str, cotangents
 ) -> None:
     """Run one matrix case on the GPU and check every output and gradient with
     ``assert_matches_reference``; under compile-only, only ``warm``.
@@ -248,9 +243,7 @@ def check_case(
     gets them with each parameter (``params``) cast to the activations' dtype:
     torch's implementation "in the same dtype".  ``cotangents(outputs)``
     builds the cotangents from our outputs (random, never all ones: a zero
-    gradient must not pass by accident).  ``grad_terms(inputs, cotangents)``
-    (float64): the size of the terms the gradients are computed from, for the
-    floor (``floor``)."""
+    gradient must not pass by accident)."""
     from quack.compile_only import is_compile_only
 
     floats = [k for k, v in inputs.items() if isinstance(v, torch.Tensor) and v.is_floating_point()]
@@ -273,17 +266,9 @@ def check_case(
     for i, (o, r, t) in enumerate(zip(out, ref_out, torch_out)):
         assert o.dtype == t.dtype, f"output {i} has dtype {o.dtype}, torch's {t.dtype}"
         assert_matches_reference(f"output {i}", o, r, t, sources)
-    terms = grad_terms(as64, cots64) if grad_terms is not None and got else 0.0
     for k in got:
         assert got[k].dtype == inputs[k].dtype, f"grad of {k} has dtype {got[k].dtype}, {k} {inputs[k].dtype}"
-        assert_matches_reference(f"grad of {k}", got[k], ref_grads[k], torch_grads[k], cots64 or (), terms)
-
-
-def norm_grad_terms(rstd: torch.Tensor, weight, cotangents) -> float:
-    """``grad_terms`` of a norm: |w dy| rstd, the size of the terms its dx is
-    computed from (they cancel at N = 1, where rstd reaches 1/sqrt(eps))."""
-    w = weight.abs().max() if weight is not None else 1.0
-    return float(cotangents[0].abs().max() * w * rstd.max())
+        assert_matches_reference(f"grad of {k}", got[k], ref_grads[k], torch_grads[k], cots64 or ())
 
 
 def random_cotangents(outputs) -> list[torch.Tensor]:
