@@ -135,9 +135,7 @@ class LayerNormForward:
             (Float32(0.0), Float32(0.0), Float32(0.0)), cfg.threads_per_row, cfg.cluster_n, mbar,
         )
         mean = total / cfg.n
-        # IEEE sqrt and reciprocal (within an ulp, against rsqrt.approx's two):
-        # the backward's dx amplifies rstd's error where x̂^2 is near 1.
-        rstd = 1.0 / cute.math.sqrt(sq / cfg.n + eps)
+        rstd = cute.math.rsqrt(sq / cfg.n + eps, fastmath=True)
         if tXcX[0][1] == 0 and row < m:
             if const_expr(mMean is not None):
                 mMean[row] = mean

@@ -263,11 +263,15 @@ class NormBackward:
             w = rowwise.load_param(weight, v)
         else:
             w = rowwise.slice_vector(weight, valid, v)
-        # "+ 0.0" rounds dy * w on its own (ptxas may fuse a product only into
-        # the add): both passes then use the same rounded wdy, so at N = 1
-        # LayerNorm's wdy - c2 cancels exactly, as torch's does, instead of
-        # leaving dy * w's rounding error times 1/sqrt(eps).
-        return x_hat, dy, dy * w + 0.0
+        if const_expr(self.centred and self.cfg.n == 1):
+            # At N = 1 LayerNorm's wdy - c2 must cancel exactly (dx is 0, as
+            # torch's is), but ptxas fuses dy * w into that subtraction and
+            # leaves the product's rounding error times 1/sqrt(eps).  "+ 0.0"
+            # rounds the product on its own in both passes.  Only here: at
+            # other N the fused form is as accurate and one instruction
+            # cheaper (measured: BENCHMARKS.md, "N = 1 LayerNorm backward").
+            return x_hat, dy, dy * w + 0.0
+        return x_hat, dy, dy * w
 
 
 def _stage_buffer(smem, cfg: RowConfig, thr, dtype, stages: int) -> cute.Tensor:

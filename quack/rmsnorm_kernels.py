@@ -100,9 +100,7 @@ class RMSNormForward:
                 cute.copy(st_res, rowwise.part(tXrResOut, v), rowwise.part(tXgResOut, v), pred=rowwise.part(tXpX, v))
             sum_sq += (h * h).reduce(cute.ReductionOp.ADD, Float32(0.0), reduction_profile=0)
         sum_sq = rowwise.row_reduce(sum_sq, "sum", sRed[None, None, 0], cfg.threads_per_row, cfg.cluster_n, mbar)
-        # IEEE sqrt and reciprocal (within an ulp, against rsqrt.approx's two):
-        # the backward's dx amplifies rstd's error where x̂^2 is near 1 (N = 1).
-        rstd = 1.0 / cute.math.sqrt(sum_sq / cfg.n + eps)
+        rstd = cute.math.rsqrt(sum_sq / cfg.n + eps, fastmath=True)
         if const_expr(mRstd is not None):
             if tXcX[0][1] == 0 and in_rows:
                 mRstd[row] = rstd
