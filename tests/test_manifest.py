@@ -134,3 +134,21 @@ def _env_without(name: str) -> dict:
     import os
 
     return {k: v for k, v in os.environ.items() if k != name}
+
+
+def test_a_recorded_misaligned_call_replays_with_its_vector_width(tmp_path, monkeypatch):
+    # A contiguous view 2 bytes past an aligned base: 16-bit rows copy one
+    # element at a time.  The manifest keeps that width, so its replay warms
+    # the object the call ran, not the aligned one.
+    from quack.rmsnorm import call_signature
+
+    record = tmp_path / "recorded.jsonl"
+    monkeypatch.setenv(manifest.RECORD_ENV, str(record))
+    with compile_only_mode():
+        x = torch.empty(8 * 4096 + 1, device="cuda", dtype=torch.bfloat16).as_strided((8, 4096), (4096, 1), 1)
+        sig = call_signature(x, None, None, False)
+        plan.plan_for(sig)
+    assert sig.vec == 1
+    (replayed,) = manifest.read(record)
+    assert replayed == sig
+    assert {k.args for _, k in plan.plan_for(replayed).kernels} == {("bfloat16", None, False, 4096, 1, False)}

@@ -207,17 +207,7 @@ def cmd_verify(args, out) -> int:
 def cmd_prune(args, out) -> int:
     _, writable = _layers(args)
     _require_trusted(writable)
-    if args.dry_run:
-        entries = maintenance.scan(writable)
-        total = sum(e.size for e in entries)
-        removed = []
-        for e in sorted(entries, key=lambda e: (e.last_use, e.family, e.keyhash)):
-            if total <= args.max_size:
-                break
-            removed.append(e)
-            total -= e.size
-    else:
-        removed, total = maintenance.prune(writable, args.max_size)
+    removed, total = maintenance.prune(writable, args.max_size, dry_run=args.dry_run)
     freed = sum(e.size for e in removed)
     if args.json:
         _dump({"layer": str(writable.root), "max_size": args.max_size, "dry_run": args.dry_run,

@@ -206,6 +206,8 @@ def _probe(layer: Layer, req: Request, *, load: bool, report: bool = True) -> Ca
     """
     verdict = verify_entry(layer, req.family, req.keyhash, req.key)
     if verdict.state == "absent":
+        if verdict.problem and req.config.strict:
+            raise CacheMissError(f"{_miss_message(req)} ({layer.label}: the entry was {verdict.problem})")
         return None
     if verdict.state == "bad":
         if report:
@@ -219,6 +221,8 @@ def _probe(layer: Layer, req: Request, *, load: bool, report: bool = True) -> Ca
         handle = native.load_object(
             layer.object_path(req.family, req.keyhash), req.prefix, req.keyhash, verdict.sidecar["abi"]
         )
+    except FileNotFoundError:  # removed since it was verified: a miss
+        return None
     except Exception as exc:  # any load failure is a miss, never a crash
         if report:
             _report_bad(layer, req, f"load failed ({type(exc).__name__}: {exc})")

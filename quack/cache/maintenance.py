@@ -170,11 +170,21 @@ def remove(entry: Entry) -> bool:
     return True
 
 
-def prune(layer: Layer, max_bytes: int, keep: Iterable[tuple[str, str]] = ()) -> tuple[list[Entry], int]:
+def _removable(entry: Entry) -> bool:
+    """Whether ``remove`` would delete the entry now (its key is not locked)."""
+    with _try_key_lock(entry.layer, entry.family, entry.keyhash) as locked:
+        return bool(locked)
+
+
+def prune(
+    layer: Layer, max_bytes: int, keep: Iterable[tuple[str, str]] = (), dry_run: bool = False
+) -> tuple[list[Entry], int]:
     """Evict least recently used entries until the layer holds at most ``max_bytes``.
 
     ``keep`` lists (family, keyhash) pairs never evicted (the entry just
-    exported). Returns the removed entries and the bytes left.
+    exported). Returns the removed entries and the bytes left.  ``dry_run``:
+    the same walk, removing nothing (an entry whose key is locked right now
+    is skipped in both).
     """
     keep = set(keep)
     entries = scan(layer)
@@ -185,7 +195,7 @@ def prune(layer: Layer, max_bytes: int, keep: Iterable[tuple[str, str]] = ()) ->
             break
         if (entry.family, entry.keyhash) in keep:
             continue
-        if remove(entry):
+        if _removable(entry) if dry_run else remove(entry):
             removed.append(entry)
             total -= entry.size
     return removed, total

@@ -101,6 +101,9 @@ class Verdict:
 
 
 ABSENT = Verdict("absent")
+# An entry whose files vanish while it is checked was removed under the reader
+# (prune, clear, install replacing it): a miss, never a bad entry.
+REMOVED = Verdict("absent", "removed while it was being read")
 
 
 def verify_entry(layer: Layer, family: str, keyhash: str, key: dict[str, Any]) -> Verdict:
@@ -115,6 +118,8 @@ def verify_entry(layer: Layer, family: str, keyhash: str, key: dict[str, Any]) -
         return Verdict("bad", f"entry resolves outside its {kind} layer")
     try:
         meta = json.loads(side.read_text())
+    except FileNotFoundError:
+        return REMOVED
     except (OSError, ValueError) as exc:
         return Verdict("bad", f"sidecar unreadable ({exc})")
     problem = sidecar_problem(meta)
@@ -134,6 +139,8 @@ def verify_entry(layer: Layer, family: str, keyhash: str, key: dict[str, Any]) -
         return Verdict("bad", "sidecar key differs in " + ", ".join(differing))
     try:
         data = obj.read_bytes()
+    except FileNotFoundError:
+        return REMOVED
     except OSError as exc:
         return Verdict("bad", f"object unreadable ({exc})")
     problem = object_problem(meta, data)
