@@ -263,13 +263,15 @@ class NormBackward:
             w = rowwise.load_param(weight, v)
         else:
             w = rowwise.slice_vector(weight, valid, v)
-        if const_expr(self.centred and self.cfg.n == 1):
-            # At N = 1 LayerNorm's wdy - c2 must cancel exactly (dx is 0, as
-            # torch's is), but ptxas fuses dy * w into that subtraction and
-            # leaves the product's rounding error times 1/sqrt(eps).  "+ 0.0"
-            # rounds the product on its own in both passes.  Only here: at
-            # other N the fused form is as accurate and one instruction
-            # cheaper (measured: BENCHMARKS.md, "N = 1 LayerNorm backward").
+        if const_expr(self.cfg.n == 1):
+            # At N = 1 dx's terms cancel: exactly for LayerNorm (wdy - c2, dx
+            # is 0 as torch's is), nearly for RMSNorm (x̂^2 near 1).  ptxas
+            # fuses dy * w into the subtraction, so the difference keeps the
+            # product's rounding error, times rstd (up to 1/sqrt(eps)).
+            # "+ 0.0" rounds the product on its own, the same in both passes.
+            # Only here: at other N the fused form is as accurate and one
+            # instruction cheaper (BENCHMARKS.md, "Plans and the N = 1 norm
+            # backwards").
             return x_hat, dy, dy * w + 0.0
         return x_hat, dy, dy * w
 

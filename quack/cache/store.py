@@ -109,8 +109,12 @@ REMOVED = Verdict("absent", "removed while it was being read")
 def verify_entry(layer: Layer, family: str, keyhash: str, key: dict[str, Any]) -> Verdict:
     """Check an entry against ``key`` without loading it."""
     obj, side = layer.object_path(family, keyhash), layer.sidecar_path(family, keyhash)
-    if not obj.exists() and not side.exists():
+    # Both there at first and one gone when read: removed under us (a miss).
+    # One missing from the start: a broken entry (bad).
+    obj_there, side_there = obj.exists(), side.exists()
+    if not obj_there and not side_there:
         return ABSENT
+    both_there = obj_there and side_there
     # Read-only roots are resolved once (config); the writable root is resolved here.
     root = layer.root if not layer.writable else Path(os.path.realpath(layer.root))
     if not all(_inside(p, root) for p in (obj, side)):
@@ -118,9 +122,9 @@ def verify_entry(layer: Layer, family: str, keyhash: str, key: dict[str, Any]) -
         return Verdict("bad", f"entry resolves outside its {kind} layer")
     try:
         meta = json.loads(side.read_text())
-    except FileNotFoundError:
-        return REMOVED
     except (OSError, ValueError) as exc:
+        if both_there and isinstance(exc, FileNotFoundError):
+            return REMOVED
         return Verdict("bad", f"sidecar unreadable ({exc})")
     problem = sidecar_problem(meta)
     if problem:
@@ -139,9 +143,9 @@ def verify_entry(layer: Layer, family: str, keyhash: str, key: dict[str, Any]) -
         return Verdict("bad", "sidecar key differs in " + ", ".join(differing))
     try:
         data = obj.read_bytes()
-    except FileNotFoundError:
-        return REMOVED
     except OSError as exc:
+        if both_there and isinstance(exc, FileNotFoundError):
+            return REMOVED
         return Verdict("bad", f"object unreadable ({exc})")
     problem = object_problem(meta, data)
     if problem:
