@@ -7,13 +7,14 @@ decided by the allocating wrapper, never inside the op.
 
 The fake implementation does one more thing: under compile-only mode
 (``quack.compile_only.compile_only_mode``) it runs the op body itself.  The
-body validates its inputs, derives the compile key from tensor metadata and
-asks the kernel cache for the compiled object, which compiles and exports it;
-the launch is a no-op there.  Outside compile-only mode the fake
-implementation does nothing.
+body derives its call's plan (``quack/plan.py``) from tensor metadata and asks
+the kernel cache for the plan's object, which compiles and exports it; the
+launch is a no-op there.  Outside compile-only mode the fake implementation
+does nothing.
 
-Eager callers may skip the dispatcher and call ``op.body`` directly (see
-``dispatch``); torch.compile and autograd go through the registered op.
+The public ops launch their plans directly in eager mode; the registered ops
+are what torch.compile's graphs call (and what a direct call of an op's
+allocating wrapper without a plan goes through).
 """
 
 from __future__ import annotations

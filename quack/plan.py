@@ -20,10 +20,11 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import json
+import os
 import threading
 from typing import Any, Callable, ClassVar
 
-from quack.cache import CacheMissError
+from quack.cache import CacheMissError, manifest
 
 _SIGNATURES: dict[str, type] = {}  # op name -> signature class
 _PLANS: dict[Any, "Plan"] = {}
@@ -105,7 +106,8 @@ def signature(cls):
 
 def plan_for(sig: Signature) -> Plan:
     """The plan of ``sig``: built on first use in this process, then looked up.
-    A new signature is also recorded (``QUACK_CACHE_RECORD``)."""
+    Every call's signature is also recorded while ``QUACK_CACHE_RECORD`` is set
+    (once per file and signature)."""
     plan = _PLANS.get(sig)
     if plan is None:
         with _LOCK:
@@ -114,8 +116,7 @@ def plan_for(sig: Signature) -> Plan:
                 origin = entry_line(sig)
                 kernels = tuple((role, dataclasses.replace(k, origin=origin)) for role, k in sig.kernels())
                 plan = _PLANS[sig] = Plan(sig, kernels)
-        from quack.cache import manifest
-
+    if manifest.RECORD_ENV in os.environ:
         manifest.record(sig)
     return plan
 
@@ -138,7 +139,20 @@ def from_entry(entry: dict) -> Signature:
     if given != wanted:
         missing, extra = sorted(wanted - given), sorted(given - wanted)
         raise ValueError(f"{entry['op']} entry fields differ from the signature: missing {missing}, unknown {extra}")
+    for field in dataclasses.fields(cls):
+        _check_type(entry["op"], field, entry[field.name])
     return cls(**{k: v for k, v in entry.items() if k != "op"})
+
+
+# A signature field's annotation -> the JSON values it takes (1.0 for an
+# int, or 1 for a bool, would compare equal and hash to another object key).
+_FIELD_TYPES = {"str": (str,), "int": (int,), "bool": (bool,), "Optional[str]": (str, type(None))}
+
+
+def _check_type(op: str, field, value) -> None:
+    allowed = _FIELD_TYPES[field.type]
+    if type(value) not in allowed:
+        raise ValueError(f"{op} entry field {field.name!r} must be {field.type}, got {value!r}")
 
 
 def signature_class(op: str) -> type:

@@ -28,6 +28,9 @@ def _vanishing_object(monkeypatch):
 
     def read_bytes(self):
         if self.suffix == ".o":
+            # maintenance.remove runs now: sidecar, then object.
+            self.with_suffix(".json").unlink()
+            self.unlink()
             raise FileNotFoundError(2, "No such file or directory", str(self))
         return real(self)
 
@@ -70,3 +73,28 @@ def test_prune_dry_run_names_exactly_what_prune_removes(fake, capsys):
         cli.main(["prune", "--max-size", str(bound), "--json"])
         removed = [e["key"] for e in json.loads(capsys.readouterr().out)["removed"]]
     assert planned == removed and planned and oldest.keyhash not in removed
+
+
+def test_a_removal_in_one_layer_does_not_hide_another_layers_copy(fake, monkeypatch):
+    # Strict mode: the entry vanishes from the read-only layer (searched
+    # first) while it is read, and the writable layer holds it: a hit there.
+    import shutil
+
+    compile_fake(9)
+    readonly = fake.tmp / "readonly"
+    shutil.copytree(fake.writable, readonly)
+    quack.cache.clear()
+    monkeypatch.setenv("QUACK_CACHE_PATH", str(readonly))
+    monkeypatch.setenv("QUACK_CACHE_STRICT", "1")
+    real = Path.read_bytes
+
+    def read_bytes(self):
+        if self.suffix == ".o" and readonly in self.parents:
+            self.with_suffix(".json").unlink()
+            self.unlink()
+            raise FileNotFoundError(2, "No such file or directory", str(self))
+        return real(self)
+
+    monkeypatch.setattr(Path, "read_bytes", read_bytes)
+    assert compile_fake(9) is not None
+    assert quack.cache.stats()["hits"] == {"writable": 1}

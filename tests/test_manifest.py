@@ -152,3 +152,26 @@ def test_a_recorded_misaligned_call_replays_with_its_vector_width(tmp_path, monk
     (replayed,) = manifest.read(record)
     assert replayed == sig
     assert {k.args for _, k in plan.plan_for(replayed).kernels} == {("bfloat16", None, False, 4096, 1, False)}
+
+
+@pytest.mark.parametrize("field, value", [("vec", 1.0), ("backward", 1), ("dtype", None), ("n", "7")])
+def test_entry_fields_must_have_their_types(tmp_path, field, value):
+    # 1.0 == 1 and True == 1 in Python, but they hash to other object keys.
+    entry = {**SIGNATURES[2].entry(), field: value}
+    path = tmp_path / "calls.jsonl"
+    path.write_text(manifest.HEADER + "\n" + json.dumps(entry) + "\n")
+    with pytest.raises(manifest.ManifestError, match=f"field '{field}' must be"):
+        manifest.read(path)
+
+
+def test_a_record_file_that_cannot_be_written_does_not_fail_the_call(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv(manifest.RECORD_ENV, str(tmp_path / "missing-dir" / "calls.jsonl"))
+    sig = SoftmaxCall("float32", 11, 1, False)
+    plan.plan_for(sig)
+    plan.plan_for(sig)
+    assert "cannot record" in caplog.text and caplog.text.count("cannot record") == 1
+    # Set later, in the same process: later calls are recorded.
+    later = tmp_path / "later.jsonl"
+    monkeypatch.setenv(manifest.RECORD_ENV, str(later))
+    plan.plan_for(sig)
+    assert manifest.read(later) == [sig]

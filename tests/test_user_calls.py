@@ -40,9 +40,12 @@ def _params(n, weight_dtype, bias):
 def _run(fn, ref, x, params, mode):
     """The call as a user makes it in ``mode``; training checks every gradient."""
     if mode in ("no_grad", "inference_mode"):
+        # The reference too: under --compile-only, autograd on the fake CUDA
+        # Parameters would abort the process.
         with MODES[mode]():
             out = fn(x, *params)
-        torch.testing.assert_close(out.float(), ref(x, *params).float(), atol=3e-2, rtol=2e-2)
+            want = ref(x, *params)
+        torch.testing.assert_close(out.float(), want.float(), atol=3e-2, rtol=2e-2)
         return
     call = matrix.compiled(fn) if mode == "compiled_train" else fn
     inputs = [x, *(p for p in params if p is not None)]
@@ -59,8 +62,7 @@ def _run(fn, ref, x, params, mode):
     got, grads = vjp(with_params, inputs, matrix.random_cotangents)
     want, want_grads = vjp(reference, inputs, lambda outs: [c.float() for c in matrix.random_cotangents(got)])
     for g, w in zip(got + grads, want + want_grads):
-        scale = float(w.abs().max()) if w.numel() else 1.0
-        torch.testing.assert_close(g.float(), w.float(), atol=2e-2 * max(1.0, scale), rtol=2e-2)
+        torch.testing.assert_close(g.float(), w.float(), atol=2e-2, rtol=5e-2)
     assert len(grads) == 1 + n_params
 
 
@@ -98,6 +100,7 @@ def test_softmax_and_cross_entropy(shape, mode):
 def test_gemm(b_layout):
     a = torch.randn(8192, 8192, device="cuda", dtype=BF16)
     b = torch.randn(8192, 8192, device="cuda", dtype=BF16)
-    b = b if b_layout == "row" else b.t().contiguous().t()
+    if b_layout == "col":  # K contiguous: element (k, n) at k + 8192 n
+        b = b.as_strided((8192, 8192), (1, 8192))
     with torch.inference_mode():
         torch.testing.assert_close(quack.gemm(a, b).float(), quack.gemm_ref(a, b).float(), atol=0.5, rtol=2e-2)

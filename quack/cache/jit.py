@@ -186,28 +186,35 @@ def _lookup_layers(req: Request, *, load: bool) -> Callable[..., Any] | None:
 
     A bad entry or a failed load is logged once and skipped (strict: raised).
     """
+    removed: list[str] = []
     for layer in req.layers:
         if layer.writable and not _writable_trusted(req):
             continue
-        handle = _probe(layer, req, load=load)
+        handle = _probe(layer, req, load=load, removed=removed)
         if handle is not None:
             stats.record_hit(layer.label)
             if load:
                 with _LOCK:
                     _MEMORY[req.keyhash] = handle
             return handle
+    if removed and req.config.strict:
+        raise CacheMissError(f"{_miss_message(req)} ({'; '.join(removed)})")
     return None
 
 
-def _probe(layer: Layer, req: Request, *, load: bool, report: bool = True) -> Callable[..., Any] | None:
+def _probe(
+    layer: Layer, req: Request, *, load: bool, report: bool = True, removed: list | None = None
+) -> Callable[..., Any] | None:
     """Verify one layer's entry and load it; ``None`` when absent or bad.
 
     ``report=False`` skips reporting a bad entry (already reported before the lock).
+    ``removed`` collects the layers whose entry vanished while it was read.
     """
+    removed = [] if removed is None else removed
     verdict = verify_entry(layer, req.family, req.keyhash, req.key)
     if verdict.state == "absent":
-        if verdict.problem and req.config.strict:
-            raise CacheMissError(f"{_miss_message(req)} ({layer.label}: the entry was {verdict.problem})")
+        if verdict.problem:
+            removed.append(f"{layer.label}: the entry was {verdict.problem}")
         return None
     if verdict.state == "bad":
         if report:

@@ -29,7 +29,8 @@ RECORD_ENV = "QUACK_CACHE_RECORD"
 HEADER = json.dumps({"format": FORMAT, "version": VERSION}, sort_keys=True)
 
 log = logging.getLogger("quack.manifest")
-_RECORDED: set[tuple[str, str]] = set()  # (file, line) this process has seen there
+_RECORDED: set[tuple[str, object]] = set()  # (file, signature) this process has recorded there
+_FAILED: set[str] = set()  # record files that could not be written (warned once)
 _LOCK = threading.Lock()
 
 
@@ -90,6 +91,14 @@ def _check_header(path: Path, first: tuple[int, str]) -> None:
         )
 
 
+def _is_header(line: str) -> bool:
+    try:
+        header = json.loads(line)
+    except json.JSONDecodeError:
+        return False
+    return isinstance(header, dict) and header.get("format") == FORMAT and header.get("version") == VERSION
+
+
 def write(path, signatures, comment: str = "") -> None:
     """Write a manifest of ``signatures`` (sorted lines, so a rewrite diffs cleanly)."""
     from quack import plan
@@ -106,12 +115,17 @@ def record(sig) -> None:
         return
     from quack import plan
 
-    line = plan.entry_line(sig)
     with _LOCK:
-        if (path, line) in _RECORDED:
+        if (path, sig) in _RECORDED:
             return
-        _append_once(path, line)
-        _RECORDED.add((path, line))
+        _RECORDED.add((path, sig))
+        try:
+            _append_once(path, plan.entry_line(sig))
+        except (OSError, ManifestError) as e:
+            # The call itself must not fail for it; say so once per file.
+            if path not in _FAILED:
+                _FAILED.add(path)
+                log.warning("%s=%s: cannot record (%s); calls are not recorded there", RECORD_ENV, path, e)
 
 
 def _append_once(path: str, line: str) -> None:
@@ -129,10 +143,11 @@ def _append_once(path: str, line: str) -> None:
             text = text[: text.rfind("\n") + 1]
             os.ftruncate(fd, len(text.encode()))
             present = {x.strip() for x in text.split("\n")}
-        if HEADER not in present:
-            if text.strip():
-                raise ManifestError(f"{path}: {RECORD_ENV} names a file that is not a quack manifest")
+        body = [x for x in present if x and not x.startswith("#")]
+        if not body:
             out += HEADER + "\n"
+        elif not any(_is_header(x) for x in body):
+            raise ManifestError(f"{path}: {RECORD_ENV} names a file that is not a quack manifest")
         os.write(fd, (out + line + "\n").encode())
     finally:
         os.close(fd)

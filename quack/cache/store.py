@@ -21,6 +21,7 @@ import os
 import shutil
 import stat
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -106,15 +107,26 @@ ABSENT = Verdict("absent")
 REMOVED = Verdict("absent", "removed while it was being read")
 
 
+def _removed(obj: Path, side: Path, wait: float = 0.05) -> bool:
+    """A file of the entry was not found while it was read: removed under the
+    reader (``remove`` unlinks the sidecar, then the object) if both are gone
+    within ``wait`` seconds; a file missing for good beside the other is a
+    broken entry."""
+    deadline = time.monotonic() + wait
+    while obj.exists() or side.exists():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.002)
+    return True
+
+
 def verify_entry(layer: Layer, family: str, keyhash: str, key: dict[str, Any]) -> Verdict:
     """Check an entry against ``key`` without loading it."""
     obj, side = layer.object_path(family, keyhash), layer.sidecar_path(family, keyhash)
     # Both there at first and one gone when read: removed under us (a miss).
     # One missing from the start: a broken entry (bad).
-    obj_there, side_there = obj.exists(), side.exists()
-    if not obj_there and not side_there:
+    if not obj.exists() and not side.exists():
         return ABSENT
-    both_there = obj_there and side_there
     # Read-only roots are resolved once (config); the writable root is resolved here.
     root = layer.root if not layer.writable else Path(os.path.realpath(layer.root))
     if not all(_inside(p, root) for p in (obj, side)):
@@ -123,7 +135,7 @@ def verify_entry(layer: Layer, family: str, keyhash: str, key: dict[str, Any]) -
     try:
         meta = json.loads(side.read_text())
     except (OSError, ValueError) as exc:
-        if both_there and isinstance(exc, FileNotFoundError):
+        if isinstance(exc, FileNotFoundError) and _removed(obj, side):
             return REMOVED
         return Verdict("bad", f"sidecar unreadable ({exc})")
     problem = sidecar_problem(meta)
@@ -144,7 +156,7 @@ def verify_entry(layer: Layer, family: str, keyhash: str, key: dict[str, Any]) -
     try:
         data = obj.read_bytes()
     except OSError as exc:
-        if both_there and isinstance(exc, FileNotFoundError):
+        if isinstance(exc, FileNotFoundError) and _removed(obj, side):
             return REMOVED
         return Verdict("bad", f"object unreadable ({exc})")
     problem = object_problem(meta, data)

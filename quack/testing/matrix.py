@@ -333,8 +333,8 @@ def row_shape(m: int, n: int, lead: str) -> tuple[int, ...]:
 
 def compiled(fn):
     """``torch.compile(fn, fullgraph=True)``; under compile-only ``fn`` itself:
-    Dynamo cannot trace fake tensors there, and the eager call warms the same
-    kernels that the compiled graph launches (it calls the registered ops)."""
+    Dynamo cannot trace fake tensors there, and the eager call warms the plan
+    whose objects the compiled graph's registered ops launch."""
     from quack.compile_only import is_compile_only
 
     return fn if is_compile_only() else torch.compile(fn, fullgraph=True)
