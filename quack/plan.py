@@ -83,12 +83,11 @@ class Plan:
 
 class Signature:
     """Base of the op signatures: frozen dataclasses with ``OP`` (the manifest
-    name, which is also the op's module and kernel family) and ``kernels()``."""
+    name, which is also the op's module and kernel family) and
+    ``kernels()``, the (role, Kernel) pairs of its plan (``signature``
+    refuses a class without one)."""
 
     OP: ClassVar[str]
-
-    def kernels(self) -> tuple[tuple[str, Kernel], ...]:
-        raise NotImplementedError
 
     def entry(self) -> dict:
         """The manifest entry: ``{"op": ..., field: value, ...}``."""
@@ -97,6 +96,8 @@ class Signature:
 
 def signature(cls):
     """Class decorator: a frozen dataclass registered under its ``OP``."""
+    if "kernels" not in vars(cls):
+        raise TypeError(f"signature {cls.__name__} defines no kernels()")
     cls = dataclasses.dataclass(frozen=True)(cls)
     if cls.OP in _SIGNATURES:
         raise ValueError(f"two signatures for op {cls.OP!r}")

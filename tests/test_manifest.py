@@ -175,3 +175,11 @@ def test_a_record_file_that_cannot_be_written_does_not_fail_the_call(tmp_path, m
     monkeypatch.setenv(manifest.RECORD_ENV, str(later))
     plan.plan_for(sig)
     assert manifest.read(later) == [sig]
+
+
+def test_a_signature_without_kernels_is_refused_at_definition():
+    with pytest.raises(TypeError, match="defines no kernels"):
+        @plan.signature
+        class Incomplete(plan.Signature):
+            OP = "incomplete"
+            n: int
