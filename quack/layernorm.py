@@ -75,7 +75,7 @@ def compile_layernorm_bwd(
     return cute.compile(
         NormBackward(cfg, centred=True), rows(), _fake_param(weight_dtype, n, vec), rows(), None,
         rowwise.fake_vector(Float32, m), rowwise.fake_vector(Float32, m), rows(), dw_partial,
-        db_partial, Int32(1), cute.runtime.make_fake_stream(), options=compile_options(),
+        db_partial, Float32(0.0), Int32(1), cute.runtime.make_fake_stream(), options=compile_options(),
     )
 
 
@@ -145,7 +145,8 @@ def _launch_bwd(kernel: Kernel, x, weight, dy, mean, rstd, dx, dw, db) -> None:
     db_partial = ti.partial_rows(rows, n, x.device, m) if db is not None else None
     if m > 0:
         launch = kernel.load()
-        launch(x, weight, dy, None, mean, rstd, dx, dw_partial, db_partial, num_ctas, ti.current_stream(x.device))
+        # eps: RMSNorm's only (its N = 1 dx).
+        launch(x, weight, dy, None, mean, rstd, dx, dw_partial, db_partial, 0.0, num_ctas, ti.current_stream(x.device))
     ti.sum_partial_rows(dw_partial, dw)
     ti.sum_partial_rows(db_partial, db)
 

@@ -3,6 +3,7 @@
 Per row, with x̂ = (x - mean) * rstd (mean = 0 for RMSNorm) and wdy = dy * w:
     c1 = sum(x̂ * wdy),  c2 = sum(wdy) (LayerNorm only),
     dx = (wdy - c2 / N - x̂ * c1 / N) * rstd  (+ dh_out, RMSNorm's residual path),
+    (RMSNorm at N = 1: dx = wdy * eps * rstd^3, the same without cancelling),
     dw += dy * x̂,  db += dy  (LayerNorm), over the rows a CTA visits.
 
 The grid is persistent: each CTA (cluster) strides over row tiles and keeps
@@ -113,6 +114,7 @@ class NormBackward:
         mDx: cute.Tensor,
         mDwPartial: Optional[cute.Tensor],
         mDbPartial: Optional[cute.Tensor],
+        eps: Float32,
         num_ctas: Int32,
         stream: cuda.CUstream,
     ):
@@ -124,7 +126,7 @@ class NormBackward:
         )
         per_sm = ctas_per_sm(cfg, *sizes)
         self.stages, self.weight_place = pipeline_plan(cfg, *sizes)
-        self.kernel(mX, mW, mDy, mDhOut, mMean, mRstd, mDx, mDwPartial, mDbPartial, copy).launch(
+        self.kernel(mX, mW, mDy, mDhOut, mMean, mRstd, mDx, mDwPartial, mDbPartial, eps, copy).launch(
             grid=[num_ctas, cfg.cluster_n, 1],
             block=[cfg.threads, 1, 1],
             cluster=[1, cfg.cluster_n, 1] if const_expr(cfg.cluster_n > 1) else None,
@@ -145,6 +147,7 @@ class NormBackward:
         mDx: cute.Tensor,
         mDwPartial: Optional[cute.Tensor],
         mDbPartial: Optional[cute.Tensor],
+        eps: Float32,
         copy: cute.TiledCopy,
     ):
         cfg = self.cfg
@@ -227,7 +230,13 @@ class NormBackward:
             atom_dx = rowwise.vector_atom(mDx.element_type, cfg)
             for v in parts:
                 x_hat, dy, wdy = self._vectors(tiles, weight, valid, v, mean, rstd)
-                dx = (wdy - c2 - x_hat * c1) * rstd
+                if const_expr(cfg.n == 1 and not self.centred):
+                    # RMSNorm at N = 1: 1 - x̂^2 = eps * rstd^2 exactly, where
+                    # the difference would cancel (x̂^2 near 1) and scale its
+                    # rounding by 1 / (1 - x̂^2).
+                    dx = wdy * (eps * rstd * rstd * rstd)
+                else:
+                    dx = (wdy - c2 - x_hat * c1) * rstd
                 if const_expr(mDhOut is not None):
                     dx = dx + rowwise.slice_vector(tiles[2], None, v)
                 rowwise.part(tXrDx, v).store(dx.to(mDx.element_type))
@@ -264,8 +273,8 @@ class NormBackward:
         else:
             w = rowwise.slice_vector(weight, valid, v)
         if const_expr(self.cfg.n == 1):
-            # At N = 1 dx's terms cancel: exactly for LayerNorm (wdy - c2, dx
-            # is 0 as torch's is), nearly for RMSNorm (x̂^2 near 1).  ptxas
+            # At N = 1 LayerNorm's dx terms cancel exactly (wdy - c2: dx is 0,
+            # as torch's is; RMSNorm's never subtract there).  ptxas
             # fuses dy * w into the subtraction, so the difference keeps the
             # product's rounding error, times rstd (up to 1/sqrt(eps)).
             # "+ 0.0" rounds the product on its own, the same in both passes.

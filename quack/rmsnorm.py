@@ -67,7 +67,7 @@ def compile_rmsnorm_bwd(dtype: str, weight_dtype: Optional[str], has_dh_out: boo
     rstd = rowwise.fake_vector(Float32, m)
     return cute.compile(
         NormBackward(cfg, centred=False), rows(), weight, rows(), dh_out, None, rstd, rows(), dw_partial,
-        None, Int32(1), cute.runtime.make_fake_stream(), options=compile_options(),
+        None, Float32(0.0), Int32(1), cute.runtime.make_fake_stream(), options=compile_options(),
     )
 
 
@@ -113,7 +113,7 @@ def _launch_fwd(plan: Plan, x, weight, residual, out, residual_out, rstd, eps) -
     plan.kernel("forward")(x, weight, residual, out, residual_out, rstd, eps, ti.current_stream(x.device))
 
 
-def _launch_bwd(kernel: Kernel, x, weight, dy, dh_out, rstd, dx, dw) -> None:
+def _launch_bwd(kernel: Kernel, x, weight, dy, dh_out, rstd, dx, dw, eps) -> None:
     """The persistent backward, then the sum of its per-CTA partial rows into
     dw (given exactly when weight is).  The grid and the partial buffer are
     sized here, on the real tensors, never while torch.compile traces (where
@@ -129,7 +129,7 @@ def _launch_bwd(kernel: Kernel, x, weight, dy, dh_out, rstd, dx, dw) -> None:
     dw_partial = ti.partial_rows(num_ctas * cfg.rows_per_cta, n, x.device, m) if dw is not None else None
     if m > 0:
         launch = kernel.load()
-        launch(x, weight, dy, dh_out, None, rstd, dx, dw_partial, None, num_ctas, ti.current_stream(x.device))
+        launch(x, weight, dy, dh_out, None, rstd, dx, dw_partial, None, eps, num_ctas, ti.current_stream(x.device))
     ti.sum_partial_rows(dw_partial, dw)
 
 
@@ -159,13 +159,14 @@ def _rmsnorm_bwd(
     rstd: torch.Tensor,
     dx: torch.Tensor,
     dw: Optional[torch.Tensor],
+    eps: float,
 ) -> None:
     """Launch the backward kernel on 2-D (M, N) tensors (realigned for it)."""
     dtype, n = ti.dtype_name(x.dtype), x.shape[1]
     # The call as far as the backward sees it (the forward's vector width
     # does not change the backward object).
     plan = plan_for(RMSNormCall(dtype, _name(weight), dh_out is not None, n, ti.full_width(n, dtype), True))
-    _launch_bwd(plan.kernel_of("backward"), x, weight, dy, dh_out, rstd, dx, dw)
+    _launch_bwd(plan.kernel_of("backward"), x, weight, dy, dh_out, rstd, dx, dw, eps)
 
 
 def _validate(x, weight, residual) -> None:
@@ -198,14 +199,15 @@ def rmsnorm_fwd(x, weight=None, residual=None, eps=1e-6, store_rstd=True, plan: 
     return out, h, rstd
 
 
-def rmsnorm_bwd(h, weight, dy, rstd, dh_out=None, plan: Optional[Plan] = None):
-    """Allocate gradients and run the backward: returns (dh, dweight or None)."""
+def rmsnorm_bwd(h, weight, dy, rstd, dh_out=None, eps=1e-6, plan: Optional[Plan] = None):
+    """Allocate gradients and run the backward: returns (dh, dweight or None).
+    ``eps``: the forward's (dx at N = 1 is eps * rstd^3)."""
     n = h.shape[-1]
     dy = dy.contiguous()
     dh2 = ti.as_rows(dh_out.contiguous(), n) if dh_out is not None else None
     dx = torch.empty_like(h)
     dw = torch.empty_like(weight) if weight is not None else None
-    args = (ti.as_rows(h, n), weight, ti.as_rows(dy, n), dh2, rstd, ti.as_rows(dx, n), dw)
+    args = (ti.as_rows(h, n), weight, ti.as_rows(dy, n), dh2, rstd, ti.as_rows(dx, n), dw, eps)
     _launch_bwd(plan.kernel_of("backward"), *args) if plan is not None else _rmsnorm_bwd(*args)
     return dx, dw
 
@@ -218,6 +220,7 @@ class _RMSNormFunction(torch.autograd.Function):
         y, h, rstd = rmsnorm_fwd(x, weight, residual, eps, plan=plan)
         ctx.has_residual = residual is not None
         ctx.plan = plan
+        ctx.eps = eps
         ctx.save_for_backward(h if h is not None else x, weight, rstd)
         if h is not None:
             return y, h
@@ -227,7 +230,7 @@ class _RMSNormFunction(torch.autograd.Function):
     def backward(ctx, dy, dh_out=None):
         # A saved output (x + residual) comes back requiring grad; kernels take plain tensors.
         h, weight, rstd = (t.detach() if t is not None else None for t in ctx.saved_tensors)
-        dh, dw = rmsnorm_bwd(h, weight, dy, rstd, dh_out if ctx.has_residual else None, ctx.plan)
+        dh, dw = rmsnorm_bwd(h, weight, dy, rstd, dh_out if ctx.has_residual else None, ctx.eps, ctx.plan)
         if weight is None or not ctx.needs_input_grad[1]:
             dw = None
         return dh, dw, dh if ctx.has_residual else None, None, None

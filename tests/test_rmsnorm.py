@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import quack
+from quack.compile_only import is_compile_only
 from quack.rmsnorm import rmsnorm_ref
 from quack.testing import matrix
 
@@ -29,26 +30,6 @@ TABLE = {
     "lead": list(matrix.LEAD),
 }
 CASES = matrix.cases(TABLE, paired=["dtype", "weight", "residual", "mode", "n", "m"])
-
-
-def _known_gap(case) -> bool:
-    """Issue 16, open: fp32 without a weight at N = 1, 37 and 64 rows, dx errs
-    1.04e-5 (3.3e-6 relative) where torch errs 8.6e-7 and the rule allows
-    7.7e-6.  dx = rstd (dy - x̂ c1) cancels where x̂^2 is near 1; a more
-    precise rstd did not change it (H200, this session)."""
-    return (
-        case["dtype"] == torch.float32 and case["weight"] is None and not case["residual"] and case["n"] == 1
-        and case["mode"] in ("grad_x", "grad_all") and case["m"] in ("odd", "tile_multiple")
-    )
-
-
-def _with_marks(case):
-    # Not under --compile-only, where the case only warms (and so passes).
-    gap = pytest.mark.xfail(
-        "not config.getoption('--compile-only')", strict=True,
-        reason="issue 16: fp32 dx at N = 1 without weight, above the rule",
-    )
-    return pytest.param(case, id=matrix.case_id(case), marks=[gap] if _known_gap(case) else [])
 
 
 def _inputs(shape, dtype, weight, residual, seed=0):
@@ -83,7 +64,7 @@ def _ours(x, weight, residual):
     return quack.rmsnorm(x, weight, eps=EPS, residual=residual)
 
 
-@pytest.mark.parametrize("case", [_with_marks(c) for c in CASES])
+@pytest.mark.parametrize("case", CASES, ids=matrix.case_id)
 def test_matrix(case):
     shape = matrix.row_case_shape(case)
     inputs = _inputs(shape, case["dtype"], case["weight"], case["residual"])
@@ -103,6 +84,23 @@ def test_mixed_precision_backward(dtype, n, weight, residual):
     matrix.check_case(
         _ours, _reference, _torch, inputs, ("weight",), "grad_all", matrix.random_cotangents
     )
+
+
+def test_one_column_gradient_is_accurate_where_its_terms_cancel():
+    # At N = 1, dx = dy * eps * rstd^3, far below dy * rstd once x^2 >> eps:
+    # computed as rstd * (dy - x̂^2 dy) it scaled rstd's rounding by
+    # 1 / (1 - x̂^2) (issue 16).  |x| from 1e-4 to 10 spans both regimes.
+    # (96, 1) built elementwise: fake CUDA tensors take no views.
+    i = torch.arange(96, device="cuda", dtype=torch.float64).as_strided((96, 1), (1, 1))
+    x = (torch.pow(10.0, i * (5 / 95) - 4) * (1 - 2 * (i % 2))).float()
+    dy = (i * (4 / 95) - 2).float()
+    ours = lambda x: quack.rmsnorm(x, eps=EPS)  # noqa: E731
+    if is_compile_only():
+        matrix.warm(ours, {"x": x}, ["x"], no_grad=False)
+        return
+    _, got, _ = matrix.evaluate(ours, {"x": x}, ["x"], [dy])
+    _, want, _ = matrix.evaluate(lambda x: _reference(x, None, None), {"x": x.double()}, ["x"], [dy.double()])
+    torch.testing.assert_close(got["x"].double(), want["x"], rtol=1e-6, atol=0)
 
 
 def test_leading_dims_and_empty_batch():
