@@ -25,22 +25,17 @@ Driver-script use::
 from __future__ import annotations
 
 import contextlib
-import contextvars
 from typing import Any, Iterator
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from quack.cache import _COMPILE_ONLY_DEPTH
 
-__all__ = [
-    "CompileOnlyFakeTensorMode", "compile_only_mode", "grad_enabled", "is_compile_only",
-    "warming_gradients",
-]
-
-# Set by ``warming_gradients``: the caller will take gradients of what it computes.
-_WARMING_GRADIENTS = contextvars.ContextVar("quack_warming_gradients", default=False)
+__all__ = ["CompileOnlyFakeTensorMode", "compile_only_mode", "is_compile_only", "warming_gradients"]
 
 # Small on purpose: test code that really depends on the value should fail
 # loudly under compile-only rather than pass with a conveniently aligned number.
@@ -112,26 +107,56 @@ def is_compile_only() -> bool:
     return not torch.compiler.is_compiling() and _COMPILE_ONLY_DEPTH.get() > 0
 
 
+# The attribute that marks a tensor autograd would have made require grad.
+_WANTS_GRAD = "_quack_wants_grad"
+_REQUIRES_GRAD = torch.Tensor.requires_grad.__get__
+# Calls whose output never requires grad, whatever their inputs.
+_DETACHING = {torch.Tensor.detach, torch.Tensor.detach_, torch.detach}
+
+
+class _GradientsWithoutGraph(TorchFunctionMode):
+    """Autograd's bookkeeping without its graph: every torch call runs under
+    ``torch.no_grad()`` (no graph: with a CPU-only torch autograd aborts on fake
+    CUDA tensors), and its tensor outputs are marked as requiring grad where
+    autograd would have made them so, i.e. grad mode on *as the caller set it*
+    (its ``torch.no_grad()`` and ``inference_mode`` blocks included) and some
+    tensor input requiring grad.  ``Tensor.requires_grad`` reads the mark, so
+    each op decides its plan (``torch_interop.will_backward``) as on the GPU."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is _REQUIRES_GRAD:
+            return _requires_grad(args[0])
+        if func is torch._C._set_grad_enabled:
+            # The caller's grad mode (no_grad, enable_grad): run it as is, not
+            # inside the no_grad below, whose exit would undo it.
+            return func(*args, **kwargs)
+        grad_on = torch.is_grad_enabled()
+        with torch.no_grad():
+            out = func(*args, **kwargs)
+        if grad_on and func not in _DETACHING and any(_requires_grad(t) for t in _tensors((args, kwargs))):
+            for t in _tensors(out):
+                setattr(t, _WANTS_GRAD, True)
+        return out
+
+
+def _requires_grad(t: torch.Tensor) -> bool:
+    return _REQUIRES_GRAD(t) or getattr(t, _WANTS_GRAD, False)
+
+
+def _tensors(tree) -> list[torch.Tensor]:
+    return [t for t in tree_leaves(tree) if isinstance(t, torch.Tensor)]
+
+
 @contextlib.contextmanager
 def warming_gradients() -> Iterator[None]:
-    """Compile-only mode: the calls inside will be differentiated.
+    """Compile-only mode: stand in for autograd around calls that will be
+    differentiated (``quack.testing.autograd.vjp``, the matrix's ``warm``).
 
-    With a CPU-only torch, autograd aborts on fake CUDA leaf tensors, so a
-    compile-only gradient (``quack.testing.autograd.vjp``) runs its function
-    under ``torch.no_grad()`` inside this context: ops then warm the kernels
-    a real backward would run (``grad_enabled``), and build no graph."""
-    token = _WARMING_GRADIENTS.set(True)
-    try:
+    Inputs keep their ``requires_grad``; grad mode is the caller's.  Nothing
+    builds a graph, but every op sees which of its inputs would require grad
+    (``_GradientsWithoutGraph``) and warms the kernels the real call and its
+    backward run: the training plan, or the inference one inside a
+    ``torch.no_grad()`` block of the differentiated function."""
+    with _GradientsWithoutGraph():
         yield
-    finally:
-        _WARMING_GRADIENTS.reset(token)
-
-
-def grad_enabled() -> bool:
-    """Whether autograd will differentiate calls made here: torch's grad mode,
-    or, in compile-only mode, ``warming_gradients``.  Every op decides from
-    this (``torch_interop.will_backward``) both which kernels an eager call runs
-    and which ones compile-only warms, so the two never disagree."""
-    if torch.is_grad_enabled():
-        return True
-    return is_compile_only() and _WARMING_GRADIENTS.get()

@@ -12,7 +12,7 @@ import torch
 from cutlass import BFloat16, Float16, Float32
 
 from quack import rowwise
-from quack.compile_only import grad_enabled, is_compile_only
+from quack.compile_only import is_compile_only
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -71,9 +71,10 @@ def aligned(t: torch.Tensor | None) -> torch.Tensor | None:
 
 def will_backward(*tensors: torch.Tensor | None) -> bool:
     """Will autograd run this call's backward?  Some input requires grad and
-    grad mode is on (``compile_only.grad_enabled``): the one rule by which an
-    eager call chooses its kernels and compile-only mode warms them."""
-    return any(t is not None and t.requires_grad for t in tensors) and grad_enabled()
+    grad mode is on: the one rule by which an eager call chooses its kernels
+    and compile-only mode warms them (``compile_only.warming_gradients``
+    keeps ``requires_grad`` as autograd would without building a graph)."""
+    return any(t is not None and t.requires_grad for t in tensors) and torch.is_grad_enabled()
 
 
 def address(t: torch.Tensor) -> int:

@@ -15,6 +15,7 @@ import warnings
 import pytest
 import torch
 
+import quack
 import quack.plan
 from quack import torch_interop as ti
 from quack.cache import _COMPILE_ONLY_DEPTH
@@ -122,3 +123,47 @@ def test_compile_only_warms_the_eager_plan(op, case, monkeypatch, gpu_stand_in):
     # A backward runs exactly when the GPU run takes gradients.
     if op != "gemm":
         assert eager.signature.backward == bool(grads and not no_grad)
+
+
+def _in_no_grad(x, weight):
+    with torch.no_grad():
+        return quack.layernorm(x, weight)
+
+
+def _in_inference_mode(x, weight):
+    with torch.inference_mode():
+        return quack.layernorm(x, weight)
+
+
+def _back_on(x, weight):
+    with torch.no_grad():
+        with torch.enable_grad():
+            return quack.layernorm(x * 2, weight)
+
+
+# (function differentiated with respect to x and weight, whether its layernorm call runs a backward on the GPU)
+_GRAD_MODE_CALLS = {
+    "plain": (lambda x, weight: quack.layernorm(x, weight), True),
+    "derived_input": (lambda x, weight: quack.layernorm(torch.tanh(x) + 1, weight), True),
+    "detached": (lambda x, weight: quack.layernorm(x.detach(), weight.detach()), False),
+    "no_grad_inside": (_in_no_grad, False),
+    "inference_mode_inside": (_in_inference_mode, False),
+    "enable_grad_inside_no_grad": (_back_on, True),
+}
+
+
+@pytest.mark.parametrize("name", list(_GRAD_MODE_CALLS))
+def test_compile_only_sees_grad_mode_inside_a_differentiated_function(name, monkeypatch, gpu_stand_in):
+    # The function's own no_grad / inference_mode blocks decide, as on the GPU
+    # (compile_only.warming_gradients); before, warming saw only "differentiated".
+    fn, backward = _GRAD_MODE_CALLS[name]
+    layernorm = importlib.import_module("quack.layernorm")
+    real_plan_for = quack.plan.plan_for
+    planned = []
+    monkeypatch.setattr(layernorm, "plan_for", lambda sig: planned.append(sig) or real_plan_for(sig))
+    monkeypatch.setattr(quack.plan.Kernel, "load", lambda kernel: lambda *args: None)
+    with compile_only_mode():
+        x = torch.randn(8, 4096, device="cuda", dtype=torch.bfloat16)
+        weight = torch.randn(4096, device="cuda", dtype=torch.float32)
+        matrix.warm(fn, {"x": x, "weight": weight}, ["x", "weight"], no_grad=False)
+    assert [sig.backward for sig in planned] == [backward]

@@ -148,12 +148,6 @@ def kernel_caches(*, name, families = KERNEL_FAMILIES, shared_srcs, family_srcs,
         caches = [":%s_%s" % (name, family) for family in families],
     )
 
-# Runs quack.cache's bundler without importing the `quack` package itself (whose __init__ imports
-# every kernel family, torch and the CuTe DSL): the cache subpackage needs the standard library only.
-_BUNDLER = ("import sys, types; q = types.ModuleType('quack'); q.__path__ = ['quack']; " +
-            "sys.modules['quack'] = q; from quack.cache.cli import main; " +
-            "sys.exit(main(['bundle'] + sys.argv[1:]))")
-
 def _kernel_cache_bundle_impl(ctx):
     out = ctx.actions.declare_file(ctx.attr.name + ".tar")
     runtime = ctx.toolchains[_PY_TOOLCHAIN].py3_runtime
@@ -162,8 +156,8 @@ def _kernel_cache_bundle_impl(ctx):
     dirs = depset(transitive = [dep[KernelCacheInfo].dirs for dep in ctx.attr.caches])
 
     args = ctx.actions.args()
-    args.add("-c")
-    args.add(_BUNDLER)
+    # quack/__init__.py and quack/cache/ need the standard library only.
+    args.add_all(["-m", "quack.cache", "bundle"])
     args.add(out, format = "--out=%s")
     args.add_all(dirs, expand_directories = False)
 
@@ -191,7 +185,7 @@ kernel_cache_bundle = rule(
     `python -m quack.cache install <name>.tar --into DIR`.""",
     attrs = {
         "caches": attr.label_list(mandatory = True, providers = [KernelCacheInfo], doc = "kernel_cache or kernel_cache_set targets."),
-        "srcs": attr.label_list(mandatory = True, allow_files = [".py"], doc = "The quack/cache/ modules (the bundler)."),
+        "srcs": attr.label_list(mandatory = True, allow_files = [".py"], doc = "quack/__init__.py and the quack/cache/ modules (the bundler)."),
     },
     toolchains = [_PY_TOOLCHAIN],
 )

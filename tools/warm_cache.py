@@ -27,9 +27,11 @@ from pathlib import Path
 
 from absl import app, flags, logging
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+# Python puts this script's folder, symlinks resolved, first on sys.path: in a Bazel action that
+# is the source tree's tools/, which the action does not declare.  Imports come from the folder
+# above this script as the command named it (the execroot in an action, else the checkout).
+ROOT = Path(os.path.abspath(__file__)).parent.parent
+sys.path[0] = str(ROOT)
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("out", None, "Cache directory to fill (the writable layer).", required=True)

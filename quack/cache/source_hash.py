@@ -10,7 +10,7 @@ Only modules named by ``import`` statements are followed (anywhere in the file,
 lazy imports included). The package's own ``__init__.py`` is included only when
 a module imports the package itself (``import quack``, or ``from quack import
 name`` where ``name`` is not a submodule); importing ``quack.rmsnorm`` does not
-pull in ``quack/__init__.py``, which usually imports every family.
+pull in ``quack/__init__.py``.
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ def vjp(fn: Callable, inputs: Sequence[torch.Tensor], cotangents: Sequence[torch
     if is_compile_only():
         # No graph is built (that is what would abort), but the ops warm the
         # backward kernels a real gradient would run.
-        with torch.no_grad(), warming_gradients():
+        with warming_gradients():
             outputs = _as_tuple(fn(*inputs))
         return outputs, tuple(torch.zeros_like(t) for t in inputs)
     outputs = _as_tuple(fn(*inputs))

@@ -225,12 +225,12 @@ def warm(fn, inputs: dict, grads: Sequence[str], no_grad: bool) -> None:
     from quack.compile_only import warming_gradients
 
     inputs = _with_grad_flags(inputs, grads)
-    with torch.no_grad():
-        if no_grad:
+    if no_grad:
+        with torch.no_grad():
             fn(**inputs)
-        else:
-            with warming_gradients():
-                fn(**inputs)
+    else:
+        with warming_gradients():
+            fn(**inputs)
 
 
 def check_case(

@@ -68,14 +68,13 @@ def use_fakes(monkeypatch=None):
             setattr(native, name, fake)
 
 
-# Start of a worker script: import quack.cache without quack/__init__.py (which imports every
-# kernel family, torch and the CuTe DSL) and without reading the CUDA flavour from the DSL.
+# Start of a worker script: import quack.cache (``import quack`` loads no kernel family, torch
+# or the CuTe DSL) without reading the CUDA flavour from the DSL.
 # Needs REPO (the checkout) and QUACK_ARCH in the environment.
 WORKER_PRELUDE = """
-import os, sys, types
+import os, sys
 REPO = os.environ["REPO"]
-_q = types.ModuleType("quack"); _q.__path__ = [os.path.join(REPO, "quack")]; sys.modules["quack"] = _q
-sys.path.insert(0, os.path.join(REPO, "tests"))
+sys.path[:0] = [REPO, os.path.join(REPO, "tests")]
 import quack.cache.key
 quack.cache.key.cuda_flavour = lambda: "cu13"
 import quack.cache
