@@ -6,6 +6,10 @@
 #   A  cold build of //quack:warm_cache: compiles every kernel, uploads the results;
 #   B  another checkout folder: every kernel action is a remote cache hit, none runs, the objects
 #      are byte-identical to A's, and B's kernel action is at least 5x faster than A's;
+#   U  another user: a fresh HOME (so its own pinned Python environment, provisioned from the
+#      lock in its own cache folder) and another checkout folder: every kernel action is a remote
+#      cache hit of A's upload, none runs, the objects are byte-identical (action keys name no
+#      home, user, checkout or environment path);
 #   C  --config=remote-ro --remote_download_toplevel: `test //tests:test_rmsnorm` (compile-only,
 #      strict, against objects fetched only as the test's inputs; nothing uploaded), then
 #      `build //quack:warm_cache`: hits, identical;
@@ -141,11 +145,11 @@ same_as_a() { # NAME DIGESTS [FAMILY]
 # working tree while this runs cannot make them differ), each in a differently named folder.
 a=$work/a/quack
 copy_checkout "$a"
-for c in b/other c/third f/faults; do
+for c in b/other c/third f/faults u/user2; do
   mkdir -p "$work/${c%%/*}"
   cp -a "$a" "$work/$c"
 done
-b=$work/b/other c=$work/c/third f=$work/f/faults
+b=$work/b/other c=$work/c/third f=$work/f/faults u=$work/u/user2
 
 log "remote cache: nginx on loopback, store $store"
 start_server
@@ -177,6 +181,25 @@ speedup=$(python3 -c "import sys; a, b = map(float, sys.argv[1:]); print('%.1f' 
 python3 -c "import sys; sys.exit(float(sys.argv[1]) < 5)" "$speedup" ||
   fail "B: kernel actions only ${speedup}x faster than A (${a_time}s vs ${b_time}s)"
 echo "   hits $b_hits/$kernel_actions, ran $b_ran, objects identical, kernel actions ${a_time}s -> ${b_time}s (${speedup}x), server: $b_net" >&2
+
+# --- U: another user: its own HOME and pinned environment ----------------------------------------
+# The Bazel install (tools/bazel's build root, QUACK_BAZEL_CACHE) is shared: it is the tool, not an
+# input of any action. The Python environment is not: the second user provisions its own.
+home_u=$work/home-u
+mkdir -p "$home_u"
+log "U: another user: HOME=$home_u (a fresh pinned environment), $u (fresh output base, --config=remote)"
+mark
+bazel_install=${QUACK_BAZEL_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/quack-bazel}
+HOME=$home_u XDG_CACHE_HOME= QUACK_PYTHON_ENV_ROOT= QUACK_BAZEL_CACHE=$bazel_install \
+  run_bazel u "$u" "$work/base-u" build --remote_download_all //quack:warm_cache
+u_wall=$wall u_hits=$(spawn_field u hit) u_ran=$(spawn_field u ran)
+env_a=$(readlink "$work"/base-a/external/*quack_python/env)
+env_u=$(readlink "$work"/base-u/external/*quack_python/env)
+[[ "$env_u" == "$home_u"/* && "$env_a" != "$env_u" ]] || fail "U: not a separate environment ($env_a, $env_u)"
+[[ "$u_ran" == 0 && "$u_hits" == "$kernel_actions" ]] || fail "U: $u_ran kernel actions ran, $u_hits remote hits (expected 0 and $kernel_actions)"
+objects "$u" "$work/base-u" "$work/u.sha256"
+same_as_a U "$work/u.sha256"
+echo "   environment $env_u (A: $env_a); hits $u_hits/$kernel_actions, ran 0, objects identical, wall ${u_wall}s; server: $(net)" >&2
 
 # --- C: --remote_download_toplevel, the GPU test, then the objects -------------------------------
 log "C: $c: test //tests:test_rmsnorm, --config=remote-ro --remote_download_toplevel (fresh output base)"
@@ -252,9 +275,10 @@ for p in "$a" "$work/base-a" "$work/a" "$b" "$c" "$HOME/.cache/quack-bazel"; do
     fail "readiness: outputs contain the host path $p"
   fi
 done
-shim=$(sed -n "s/^env_python='\(.*\)'$/\1/p" "$work"/base-a/external/*quack_python/python3 | head -n1)
+grep -qE '^[^#]*/(home|root)/' "$work"/base-a/external/*quack_python/python3 && fail "readiness: the interpreter shim names a path"
 echo "   no output names the checkout, output base or cache paths ($n_obj objects, sidecars, manifest)" >&2
-echo "   note: the interpreter shim runs $shim, outside the declared inputs (an executor needs it at that path)" >&2
+echo "   note: the interpreter shim (no path in it) runs the environment its link 'env' names, $env_a," \
+  "outside the declared inputs (an executor provisions its own from the lock)" >&2
 
 # --- faults ------------------------------------------------------------------------------------------
 fault_note="faults skipped"
@@ -319,5 +343,6 @@ summary_done=1
 echo "remote cache: PASS: $kernel_actions kernel action(s), $n_obj objects; B: $b_hits remote hit(s), 0 ran, identical;" \
   "kernel action A ${a_time}s vs B ${b_time}s (${speedup}x); build wall A ${a_wall}s vs B ${b_wall}s" \
   "(critical path ${a_crit}s vs ${b_crit}s); B fetched $(sed -n 's/.*GET hits [0-9]* (\([0-9]*\) bytes).*/\1/p' <<<"$b_net") bytes," \
-  "A uploaded $(sed -n 's/.*PUT [0-9]* (\([0-9]*\) bytes).*/\1/p' <<<"$a_net") bytes; C toplevel + test_rmsnorm PASSED;" \
+  "A uploaded $(sed -n 's/.*PUT [0-9]* (\([0-9]*\) bytes).*/\1/p' <<<"$a_net") bytes; U (another user, own environment):" \
+  "$u_hits remote hit(s), 0 ran, identical; C toplevel + test_rmsnorm PASSED;" \
   "readiness OK; $fault_note; $(($(date +%s) - t_start)) s"

@@ -9,7 +9,8 @@ one action whose output is one directory:
 The action's inputs are exactly: the family's module and the modules shared by every family
 (never another family's module, so editing one family reruns that family's action only), the
 family's tests, the manifests of calls to warm, the warm_cache script, the lock and the
-pinned interpreter (whose shim names the lock's digest). Its outputs are byte-identical across
+pinned CPU interpreter (a shim naming the lock's digest and the Python version, and no path; it
+finds the environment through a link, the one input outside the action's tree). Its outputs are byte-identical across
 clean builds, output bases and checkout folders, so any Bazel cache shares them.
 
 `kernel_cache_set` is the union of several `kernel_cache` targets: its files are their
@@ -25,13 +26,14 @@ KernelCacheInfo = provider(
     fields = {"dirs": "depset of directory Files"},
 )
 
-_PY_TOOLCHAIN = "@bazel_tools//tools/python:toolchain_type"
+# Kernel and bundle actions always run in the CPU environment (@quack_python), never in the
+# registered Python toolchain: `--config=gpu` gives the tests a CUDA torch (@quack_python_gpu)
+# while every kernel action keeps the key of the default build, so GPU runners hit what CI built.
+_CPU_PYTHON = "@quack_python//:py3_runtime"
 
 def _kernel_cache_impl(ctx):
     out = ctx.actions.declare_directory(ctx.attr.name)
-    runtime = ctx.toolchains[_PY_TOOLCHAIN].py3_runtime
-    if not runtime.interpreter:
-        fail("kernel_cache needs a Python toolchain with an in-build interpreter (@quack_python)")
+    runtime = ctx.attr._python[PyRuntimeInfo]
 
     args = ctx.actions.args()
     args.add(ctx.file.warm_cache)
@@ -86,8 +88,8 @@ kernel_cache = rule(
         "srcs": attr.label_list(mandatory = True, allow_files = [".py"], doc = "The family's module plus the shared modules."),
         "tests": attr.label_list(allow_files = [".py"], doc = "Test files that warm the family."),
         "warm_cache": attr.label(mandatory = True, allow_single_file = [".py"], doc = "tools/warm_cache.py."),
+        "_python": attr.label(default = _CPU_PYTHON, providers = [PyRuntimeInfo]),
     },
-    toolchains = [_PY_TOOLCHAIN],
 )
 
 def _kernel_cache_set_impl(ctx):
@@ -150,12 +152,11 @@ def kernel_caches(*, name, families = KERNEL_FAMILIES, shared_srcs, family_srcs,
 
 def _kernel_cache_bundle_impl(ctx):
     out = ctx.actions.declare_file(ctx.attr.name + ".tar")
-    runtime = ctx.toolchains[_PY_TOOLCHAIN].py3_runtime
-    if not runtime.interpreter:
-        fail("kernel_cache_bundle needs a Python toolchain with an in-build interpreter (@quack_python)")
+    runtime = ctx.attr._python[PyRuntimeInfo]
     dirs = depset(transitive = [dep[KernelCacheInfo].dirs for dep in ctx.attr.caches])
 
     args = ctx.actions.args()
+
     # quack/__init__.py and quack/cache/ need the standard library only.
     args.add_all(["-m", "quack.cache", "bundle"])
     args.add(out, format = "--out=%s")
@@ -186,6 +187,6 @@ kernel_cache_bundle = rule(
     attrs = {
         "caches": attr.label_list(mandatory = True, providers = [KernelCacheInfo], doc = "kernel_cache or kernel_cache_set targets."),
         "srcs": attr.label_list(mandatory = True, allow_files = [".py"], doc = "quack/__init__.py and the quack/cache/ modules (the bundler)."),
+        "_python": attr.label(default = _CPU_PYTHON, providers = [PyRuntimeInfo]),
     },
-    toolchains = [_PY_TOOLCHAIN],
 )

@@ -1,0 +1,114 @@
+"""Runs each kernel action outside Bazel on copies of its declared inputs only (tools/check_declared_inputs.sh).
+
+    python3 run_declared_inputs.py AQUERY_JSON EXECROOT WORK
+
+AQUERY_JSON is `bazel aquery --output=jsonproto` of the QuackWarmCache actions. For each action:
+a folder WORK/<family>/ gets a copy of every input file the action declares, at its execroot
+path, and nothing else; the action's command runs there with exactly the action's environment
+(what `bazel aquery` lists, no HOME, no user variables); its output folder must then hold the
+same files, byte for byte, as Bazel's (EXECROOT/<output>).
+
+One input lies outside the copy by design: the pinned Python environment. The interpreter shim
+is copied like every other input and finds the environment through the link `env` beside it (as
+it does in Bazel's sandbox), so the copy gets that link, pointing where Bazel's does.
+Prints one line per family; exit 0 when every family's objects are identical.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from concurrent.futures import ThreadPoolExecutor
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+
+def _paths(query: dict) -> dict[int, str]:
+    """artifact id -> execroot-relative path."""
+    fragments = {f["id"]: f for f in query.get("pathFragments", [])}
+
+    def path(fid: int) -> str:
+        parts = []
+        while fid:
+            fragment = fragments[fid]
+            parts.append(fragment["label"])
+            fid = fragment.get("parentId", 0)
+        return "/".join(reversed(parts))
+
+    return {a["id"]: path(a["pathFragmentId"]) for a in query.get("artifacts", [])}
+
+
+def _inputs(query: dict, action: dict, paths: dict[int, str]) -> list[str]:
+    depsets = {d["id"]: d for d in query.get("depSetOfFiles", [])}
+    seen, pending, found = set(), list(action.get("inputDepSetIds", [])), []
+    while pending:
+        d = depsets[pending.pop()]
+        if d["id"] in seen:
+            continue
+        seen.add(d["id"])
+        found.extend(paths[a] for a in d.get("directArtifactIds", []))
+        pending.extend(d.get("transitiveDepSetIds", []))
+    return sorted(set(found))
+
+
+def _digest(folder: Path) -> dict[str, str]:
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob("*")) if p.is_file()
+    }
+
+
+def run_action(query: dict, action: dict, paths: dict[int, str], execroot: Path, work: Path) -> tuple[bool, str]:
+    (output,) = [paths[i] for i in action["outputIds"]]
+    family = Path(output).name.removeprefix("warm_cache_")
+    root = work / family
+    inputs = _inputs(query, action, paths)
+    for rel in inputs:
+        dest = root / rel
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(execroot / rel, dest, follow_symlinks=True)
+    shim = action["arguments"][0]
+    env_link = Path(os.path.realpath(execroot / shim)).parent / "env"
+    if not env_link.is_dir():
+        return False, f"{family}: the interpreter shim {shim} has no environment link beside it ({env_link})"
+    (root / shim).parent.joinpath("env").symlink_to(os.path.realpath(env_link))
+    (root / output).mkdir(parents=True)
+    env = {v["key"]: v["value"] for v in action.get("environmentVariables", [])}
+    done = subprocess.run(action["arguments"], cwd=root, env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        tail = (done.stdout + done.stderr)[-3000:]
+        return False, f"{family}: the action failed on its declared inputs (exit {done.returncode}):\n{tail}"
+    ours, bazels = _digest(root / output), _digest(execroot / output)
+    objects = sum(name.endswith(".o") for name in bazels)
+    if not objects:
+        return False, f"{family}: Bazel's output {output} holds no objects"
+    if ours != bazels:
+        differ = sorted(set(ours.items()) ^ set(bazels.items()))[:10]
+        return False, f"{family}: outputs differ from Bazel's ({len(ours)} vs {len(bazels)} files): {differ}"
+    return True, (f"{family}: {len(inputs)} declared inputs copied, the action ran there: "
+                  f"{len(ours)} files ({objects} objects) identical to Bazel's")
+
+
+def main(argv: list[str]) -> int:
+    query = json.loads(Path(argv[1]).read_text())
+    execroot, work = Path(argv[2]), Path(argv[3])
+    paths = _paths(query)
+    actions = [a for a in query.get("actions", []) if a.get("mnemonic") == "QuackWarmCache"]
+    if not actions:
+        print("declared inputs: FAIL (no QuackWarmCache action in the query)")
+        return 1
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        results = list(pool.map(lambda a: run_action(query, a, paths, execroot, work), actions))
+    for _, line in results:
+        print(line)
+    ok = all(passed for passed, _ in results)
+    print(f"declared inputs: {'PASS' if ok else 'FAIL'} ({sum(p for p, _ in results)}/{len(results)} families "
+          "identical on copies of their declared inputs; the pinned environment is reached through the shim's link)")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
