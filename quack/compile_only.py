@@ -35,7 +35,10 @@ from torch.utils._pytree import tree_leaves
 
 from quack.cache import _COMPILE_ONLY_DEPTH
 
-__all__ = ["CompileOnlyFakeTensorMode", "compile_only_mode", "is_compile_only", "warming_gradients"]
+__all__ = [
+    "CompileOnlyFakeTensorMode", "compile_only_mode", "is_compile_only", "requires_grad_for_warming",
+    "warming_gradients",
+]
 
 # Small on purpose: test code that really depends on the value should fail
 # loudly under compile-only rather than pass with a conveniently aligned number.
@@ -107,26 +110,35 @@ def is_compile_only() -> bool:
     return not torch.compiler.is_compiling() and _COMPILE_ONLY_DEPTH.get() > 0
 
 
-# The attribute that marks a tensor autograd would have made require grad.
+# The attribute that marks a tensor as requiring grad while warming: autograd's flag without
+# autograd (a real ``requires_grad`` on a fake CUDA tensor lets a graph be built, which aborts).
 _WANTS_GRAD = "_quack_wants_grad"
-_REQUIRES_GRAD = torch.Tensor.requires_grad.__get__
-# Calls whose output never requires grad, whatever their inputs.
-_DETACHING = {torch.Tensor.detach, torch.Tensor.detach_, torch.detach}
+_FLAG = torch.Tensor.requires_grad  # the descriptor: its __get__ and __set__ reach the mode
+# Calls whose outputs never require grad, whatever their inputs (besides ``*_like`` and
+# ``new_*`` factories, and outputs that are not floating point).
+_DETACHING = {"detach", "detach_"}
 
 
 class _GradientsWithoutGraph(TorchFunctionMode):
-    """Autograd's bookkeeping without its graph: every torch call runs under
-    ``torch.no_grad()`` (no graph: with a CPU-only torch autograd aborts on fake
-    CUDA tensors), and its tensor outputs are marked as requiring grad where
-    autograd would have made them so, i.e. grad mode on *as the caller set it*
-    (its ``torch.no_grad()`` and ``inference_mode`` blocks included) and some
-    tensor input requiring grad.  ``Tensor.requires_grad`` reads the mark, so
-    each op decides its plan (``torch_interop.will_backward``) as on the GPU."""
+    """Autograd's bookkeeping without its graph.  Every torch call runs under
+    ``torch.no_grad()``, and its floating-point outputs are marked as requiring
+    grad where autograd would have made them so: grad mode on *as the caller
+    set it* (its ``torch.no_grad()`` and ``inference_mode`` blocks included)
+    and some tensor input requiring grad; an in-place call marks the tensor it
+    writes.  ``Tensor.requires_grad`` reads (and ``requires_grad_`` and the
+    setter write) the mark, so each op decides its plan
+    (``torch_interop.will_backward``) as on the GPU."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is _REQUIRES_GRAD:
-            return _requires_grad(args[0])
+        name = getattr(func, "__name__", "")
+        owner = getattr(func, "__self__", None)
+        if owner is _FLAG:
+            if name == "__get__":
+                return _requires_grad(args[0])
+            return _mark(args[0], bool(args[1]))  # the setter
+        if name == "requires_grad_":
+            return _mark(args[0], bool(args[1]) if len(args) > 1 else kwargs.get("requires_grad", True))
         if func is torch._C._set_grad_enabled:
             # The caller's grad mode (no_grad, enable_grad): run it as is, not
             # inside the no_grad below, whose exit would undo it.
@@ -134,18 +146,42 @@ class _GradientsWithoutGraph(TorchFunctionMode):
         grad_on = torch.is_grad_enabled()
         with torch.no_grad():
             out = func(*args, **kwargs)
-        if grad_on and func not in _DETACHING and any(_requires_grad(t) for t in _tensors((args, kwargs))):
-            for t in _tensors(out):
+        if name == "detach_":
+            _mark(args[0], False)
+        if not grad_on or name in _DETACHING or name.endswith("_like") or name.startswith("new_"):
+            return out
+        if owner is torch.Tensor.data or not any(_requires_grad(t) for t in _tensors((args, kwargs))):
+            return out
+        written = [args[0]] if name == "__setitem__" or (name.endswith("_") and not name.startswith("_")) else []
+        for t in _tensors(out) + written:
+            if t.is_floating_point() or t.is_complex():
                 setattr(t, _WANTS_GRAD, True)
         return out
 
 
 def _requires_grad(t: torch.Tensor) -> bool:
-    return _REQUIRES_GRAD(t) or getattr(t, _WANTS_GRAD, False)
+    return _FLAG.__get__(t) or getattr(t, _WANTS_GRAD, False)
+
+
+def _mark(t: torch.Tensor, wanted: bool) -> torch.Tensor:
+    """``t.requires_grad_(wanted)`` as a mark: the real flag is only ever cleared."""
+    setattr(t, _WANTS_GRAD, wanted)
+    if not wanted and _FLAG.__get__(t):
+        _FLAG.__set__(t, False)
+    return t
 
 
 def _tensors(tree) -> list[torch.Tensor]:
     return [t for t in tree_leaves(tree) if isinstance(t, torch.Tensor)]
+
+
+def requires_grad_for_warming(t: torch.Tensor) -> torch.Tensor:
+    """A leaf that will be differentiated, for ``warming_gradients``: marked,
+    not flagged (no graph can then be built on it, even by code the mode does
+    not see, such as a custom ``torch.autograd.Function``)."""
+    t = t.detach()
+    setattr(t, _WANTS_GRAD, True)
+    return t
 
 
 @contextlib.contextmanager
@@ -153,10 +189,13 @@ def warming_gradients() -> Iterator[None]:
     """Compile-only mode: stand in for autograd around calls that will be
     differentiated (``quack.testing.autograd.vjp``, the matrix's ``warm``).
 
-    Inputs keep their ``requires_grad``; grad mode is the caller's.  Nothing
-    builds a graph, but every op sees which of its inputs would require grad
-    (``_GradientsWithoutGraph``) and warms the kernels the real call and its
-    backward run: the training plan, or the inference one inside a
-    ``torch.no_grad()`` block of the differentiated function."""
+    Mark the leaves to differentiate with ``requires_grad_for_warming``; grad
+    mode is the caller's.  Nothing builds a graph, but every op sees which of
+    its inputs would require grad (``_GradientsWithoutGraph``) and warms the
+    kernels the real call and its backward run: the training plan, or the
+    inference one inside a ``torch.no_grad()`` block of the differentiated
+    function.  Parameters (``requires_grad`` really set) reach only torch
+    calls here, which run without a graph; a custom ``torch.autograd.Function``
+    applied to one would build a graph on fake CUDA tensors, which aborts."""
     with _GradientsWithoutGraph():
         yield

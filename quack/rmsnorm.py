@@ -199,9 +199,9 @@ def rmsnorm_fwd(x, weight=None, residual=None, eps=1e-6, store_rstd=True, plan: 
     return out, h, rstd
 
 
-def rmsnorm_bwd(h, weight, dy, rstd, dh_out=None, eps=1e-6, plan: Optional[Plan] = None):
+def rmsnorm_bwd(h, weight, dy, rstd, dh_out=None, *, eps: float, plan: Optional[Plan] = None):
     """Allocate gradients and run the backward: returns (dh, dweight or None).
-    ``eps``: the forward's (dx at N = 1 is eps * rstd^3)."""
+    ``eps``: the forward's, required (dx at N = 1 is eps * rstd^3)."""
     n = h.shape[-1]
     dy = dy.contiguous()
     dh2 = ti.as_rows(dh_out.contiguous(), n) if dh_out is not None else None
@@ -230,7 +230,7 @@ class _RMSNormFunction(torch.autograd.Function):
     def backward(ctx, dy, dh_out=None):
         # A saved output (x + residual) comes back requiring grad; kernels take plain tensors.
         h, weight, rstd = (t.detach() if t is not None else None for t in ctx.saved_tensors)
-        dh, dw = rmsnorm_bwd(h, weight, dy, rstd, dh_out if ctx.has_residual else None, ctx.eps, ctx.plan)
+        dh, dw = rmsnorm_bwd(h, weight, dy, rstd, dh_out if ctx.has_residual else None, eps=ctx.eps, plan=ctx.plan)
         if weight is None or not ctx.needs_input_grad[1]:
             dw = None
         return dh, dw, dh if ctx.has_residual else None, None, None

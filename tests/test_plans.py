@@ -141,11 +141,22 @@ def _back_on(x, weight):
             return quack.layernorm(x * 2, weight)
 
 
-# (function differentiated with respect to x and weight, whether its layernorm call runs a backward on the GPU)
+def _written_in_place(x, weight):
+    y = torch.zeros_like(x)
+    y.add_(x)
+    return quack.layernorm(y, weight)
+
+
+# (function differentiated with respect to x alone, whether its layernorm call runs a backward on the GPU)
 _GRAD_MODE_CALLS = {
     "plain": (lambda x, weight: quack.layernorm(x, weight), True),
     "derived_input": (lambda x, weight: quack.layernorm(torch.tanh(x) + 1, weight), True),
-    "detached": (lambda x, weight: quack.layernorm(x.detach(), weight.detach()), False),
+    "converted_input": (lambda x, weight: quack.layernorm(x.float(), weight), True),
+    "written_in_place": (_written_in_place, True),
+    "flagged_inside": (lambda x, weight: quack.layernorm(x.detach().requires_grad_(), weight), True),
+    "detached": (lambda x, weight: quack.layernorm(x.detach(), weight), False),
+    "unflagged_inside": (lambda x, weight: quack.layernorm(x.requires_grad_(False), weight), False),
+    "factory_like": (lambda x, weight: quack.layernorm(torch.zeros_like(x) + 1, weight), False),
     "no_grad_inside": (_in_no_grad, False),
     "inference_mode_inside": (_in_inference_mode, False),
     "enable_grad_inside_no_grad": (_back_on, True),
@@ -154,8 +165,9 @@ _GRAD_MODE_CALLS = {
 
 @pytest.mark.parametrize("name", list(_GRAD_MODE_CALLS))
 def test_compile_only_sees_grad_mode_inside_a_differentiated_function(name, monkeypatch, gpu_stand_in):
-    # The function's own no_grad / inference_mode blocks decide, as on the GPU
-    # (compile_only.warming_gradients); before, warming saw only "differentiated".
+    # requires_grad propagates as autograd would, under the function's own
+    # grad mode (compile_only.warming_gradients): before, warming saw only
+    # "differentiated" and warmed the training plan for every call.
     fn, backward = _GRAD_MODE_CALLS[name]
     layernorm = importlib.import_module("quack.layernorm")
     real_plan_for = quack.plan.plan_for
@@ -165,5 +177,5 @@ def test_compile_only_sees_grad_mode_inside_a_differentiated_function(name, monk
     with compile_only_mode():
         x = torch.randn(8, 4096, device="cuda", dtype=torch.bfloat16)
         weight = torch.randn(4096, device="cuda", dtype=torch.float32)
-        matrix.warm(fn, {"x": x, "weight": weight}, ["x", "weight"], no_grad=False)
+        matrix.warm(fn, {"x": x, "weight": weight}, ["x"], no_grad=False)
     assert [sig.backward for sig in planned] == [backward]

@@ -86,20 +86,29 @@ def test_mixed_precision_backward(dtype, n, weight, residual):
     )
 
 
-def test_one_column_gradient_is_accurate_where_its_terms_cancel():
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "torch_compile"])
+@pytest.mark.parametrize("eps", [EPS, 1e-2])
+def test_one_column_gradient_is_accurate_where_its_terms_cancel(eps, compiled):
     # At N = 1, dx = dy * eps * rstd^3, far below dy * rstd once x^2 >> eps:
     # computed as rstd * (dy - x̂^2 dy) it scaled rstd's rounding by
-    # 1 / (1 - x̂^2) (issue 16).  |x| from 1e-4 to 10 spans both regimes.
+    # 1 / (1 - x̂^2) (issue 16).  |x| from 1e-4 to 10 spans both regimes; an
+    # eps other than the default checks that the backward gets the call's.
     # (96, 1) built elementwise: fake CUDA tensors take no views.
     i = torch.arange(96, device="cuda", dtype=torch.float64).as_strided((96, 1), (1, 1))
     x = (torch.pow(10.0, i * (5 / 95) - 4) * (1 - 2 * (i % 2))).float()
     dy = (i * (4 / 95) - 2).float()
-    ours = lambda x: quack.rmsnorm(x, eps=EPS)  # noqa: E731
+    ours = lambda x: quack.rmsnorm(x, eps=eps)  # noqa: E731
+    if compiled:
+        ours = matrix.compiled(ours)
     if is_compile_only():
         matrix.warm(ours, {"x": x}, ["x"], no_grad=False)
         return
+
+    def reference(x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
     _, got, _ = matrix.evaluate(ours, {"x": x}, ["x"], [dy])
-    _, want, _ = matrix.evaluate(lambda x: _reference(x, None, None), {"x": x.double()}, ["x"], [dy.double()])
+    _, want, _ = matrix.evaluate(reference, {"x": x.double()}, ["x"], [dy.double()])
     torch.testing.assert_close(got["x"].double(), want["x"], rtol=1e-6, atol=0)
 
 

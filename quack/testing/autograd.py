@@ -15,7 +15,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from quack.compile_only import is_compile_only, warming_gradients
+from quack.compile_only import is_compile_only, requires_grad_for_warming, warming_gradients
 
 
 def vjp(fn: Callable, inputs: Sequence[torch.Tensor], cotangents: Sequence[torch.Tensor] | Callable):
@@ -24,13 +24,14 @@ def vjp(fn: Callable, inputs: Sequence[torch.Tensor], cotangents: Sequence[torch
 
     ``cotangents`` may be a callable that builds them from the outputs.
     """
-    inputs = [t.detach().requires_grad_() for t in inputs]
     if is_compile_only():
         # No graph is built (that is what would abort), but the ops warm the
         # backward kernels a real gradient would run.
+        inputs = [requires_grad_for_warming(t) for t in inputs]
         with warming_gradients():
             outputs = _as_tuple(fn(*inputs))
         return outputs, tuple(torch.zeros_like(t) for t in inputs)
+    inputs = [t.detach().requires_grad_() for t in inputs]
     outputs = _as_tuple(fn(*inputs))
     cots = _as_tuple(cotangents(outputs) if callable(cotangents) else cotangents)
     grads = torch.autograd.grad(outputs, inputs, cots, allow_unused=True)

@@ -222,15 +222,15 @@ def warm(fn, inputs: dict, grads: Sequence[str], no_grad: bool) -> None:
     """Compile-only: make the call the GPU run makes, so every kernel it needs
     is exported (``compile_only.warming_gradients`` stands in for autograd,
     which cannot run on fake CUDA tensors with a CPU-only torch)."""
-    from quack.compile_only import warming_gradients
+    from quack.compile_only import requires_grad_for_warming, warming_gradients
 
-    inputs = _with_grad_flags(inputs, grads)
     if no_grad:
         with torch.no_grad():
-            fn(**inputs)
-    else:
-        with warming_gradients():
-            fn(**inputs)
+            fn(**_with_grad_flags(inputs, grads))
+        return
+    marked = {k: requires_grad_for_warming(v) if k in grads else v for k, v in inputs.items()}
+    with warming_gradients():
+        fn(**marked)
 
 
 def check_case(

@@ -51,7 +51,7 @@ def cases(dtype: torch.dtype) -> list[Case]:
         y_eager = _torch_fwd(xg, wg)
         y_comp = compiled_fwd(xg, wg)
         out.append(Case(f"bwd {m}x{n}", 3 * m * n * size, {
-            "quack": lambda x=x, w=w, dy=dy, rstd=rstd: rmsnorm_bwd(x, w, dy, rstd),
+            "quack": lambda x=x, w=w, dy=dy, rstd=rstd: rmsnorm_bwd(x, w, dy, rstd, eps=1e-6),
             "torch": lambda y=y_eager, dy=dy, i=(xg, wg): torch.autograd.grad(y, i, dy, retain_graph=True),
             "torch.compile": lambda y=y_comp, dy=dy, i=(xg, wg): torch.autograd.grad(y, i, dy, retain_graph=True),
         }))

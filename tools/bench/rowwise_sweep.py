@@ -41,7 +41,7 @@ def _launchers(family: str, m: int, n: int):
     rows = 2 * x.numel() * 2
     if family == "rmsnorm":
         _, _, rstd = mod.rmsnorm_fwd(x, w)
-        return (lambda: mod.rmsnorm_fwd(x, w), rows), (lambda: mod.rmsnorm_bwd(x, w, dy, rstd), 3 * rows // 2)
+        return (lambda: mod.rmsnorm_fwd(x, w), rows), (lambda: mod.rmsnorm_bwd(x, w, dy, rstd, eps=1e-6), 3 * rows // 2)
     if family == "softmax":
         y = mod.softmax_fwd(x)
         return (lambda: mod.softmax_fwd(x), rows), (lambda: mod.softmax_bwd(y, dy), 3 * rows // 2)
