@@ -35,7 +35,16 @@ _PROBE_PTX = b"""
 """
 
 
-@torch.compiler.assume_constant_result
+def _constant_while_traced(fn):
+    """``torch.compiler.assume_constant_result`` without its import of
+    torch._dynamo (seconds, at ``import quack.<family>``): the mark it sets,
+    which Dynamo reads when it meets the function (tests/test_occupancy.py
+    checks that torch's decorator sets the same)."""
+    fn._dynamo_marked_constant = True
+    return fn
+
+
+@_constant_while_traced
 def resident_clusters(device_index: int, threads: int, cluster_size: int, ctas_per_sm: int) -> int:
     """Clusters of ``cluster_size`` CTAs (``threads`` each, ``ctas_per_sm`` to
     an SM) that run at once; the SM count's estimate where no GPU is visible

@@ -50,6 +50,20 @@ def test_torch_compile_takes_the_answer_as_a_constant(monkeypatch):
     assert torch.equal(x.grad, torch.full((4,), 6.0))
 
 
+def test_the_constant_mark_is_torchs():
+    # occupancy marks resident_clusters as Dynamo's decorator would, without
+    # importing Dynamo; a torch whose decorator marks otherwise fails here.
+    def ours():
+        pass
+
+    def torchs():
+        pass
+
+    occupancy._constant_while_traced(ours)
+    torch.compiler.assume_constant_result(torchs)
+    assert vars(ours) == vars(torchs) == {"_dynamo_marked_constant": True}
+
+
 @pytest.mark.gpu
 @pytest.mark.no_compile_only
 @pytest.mark.parametrize("cluster_size, ctas_per_sm", [(2, 1), (2, 2), (4, 2), (8, 1), (8, 2), (16, 1)])

@@ -38,6 +38,16 @@ def test_one_family_imports_that_family_only():
         assert f"'quack.{other}'" not in loaded
 
 
+def test_no_family_imports_dynamo():
+    # torch._dynamo costs seconds of cold start (issue 19); torch.compile imports it when used.
+    assert _python("""
+        import sys, quack
+        for name in ("rmsnorm", "layernorm", "softmax", "cross_entropy", "gemm"):
+            getattr(quack, name)
+        print("torch._dynamo" in sys.modules)
+    """) == "False"
+
+
 def test_exports_stay_the_ops_after_their_submodules_import():
     kinds = _python("""
         import importlib, types
