@@ -211,7 +211,9 @@ def _probe(
     ``removed`` collects the layers whose entry vanished while it was read.
     """
     removed = [] if removed is None else removed
+    start = time.perf_counter()
     verdict = verify_entry(layer, req.family, req.keyhash, req.key)
+    stats.record_seconds("verify", time.perf_counter() - start)
     if verdict.state == "absent":
         if verdict.problem:
             removed.append(f"{layer.label}: the entry was {verdict.problem}")

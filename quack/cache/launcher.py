@@ -1,4 +1,4 @@
-"""A thin launcher over an exported object's C entry point: a few microseconds a call.
+"""A thin launcher over an exported object's C entry point: about a microsecond a call.
 
 Calling a ``JitCompiledFunction`` converts every torch tensor through DLPack
 and re-validates the argument spec on each call (about 40 us for three
@@ -10,8 +10,10 @@ scalar's address; the stream's address), then the executor's trailing slots.
 The struct layout of each argument is recorded at export time from the C
 header that ``export_to_c`` writes (``parse_abi``) and stored in the entry's
 sidecar.  This launcher lays those structs out in one preallocated buffer of
-64-bit words, fills it with generated straight-line code and calls the entry
-point directly.  Its first call goes through the
+64-bit words (``layout``), and each call fills it and calls the entry point
+directly: in C (``_fastlaunch.c``: tensors read through torch's DLPack C
+exchange table), or, where that extension is not built, with generated
+straight-line Python over ctypes.  Its first call goes through the
 ``JitCompiledFunction`` instead, which loads the CUDA module onto the device
 and creates the executor whose entry point the later calls reuse.
 
@@ -28,6 +30,7 @@ import functools
 import re
 import struct
 import threading
+import warnings
 from typing import Any, Sequence
 
 _C_TYPES = {
@@ -73,22 +76,45 @@ def parse_abi(header: str, prefix: str) -> list[list]:
 
 
 _WORD = 8
+# One-letter codes shared with the C launcher (_fastlaunch.c).
+_CTYPE_CODES = {"int32_t": "i", "int64_t": "l", "float": "f", "double": "d", "bool": "b"}
 
 
-def _fields(spec: Sequence[Any], a: str) -> list[tuple[str, str, int]]:
-    """(C type, Python expression over the argument named ``a``, byte offset)
-    of each field of one argument."""
+def fields(spec: Sequence[Any]) -> list[tuple[str, str, int, int]]:
+    """(what, C type, dimension, byte offset) of each field of one argument;
+    what: "d" a tensor's data pointer, "s"/"t" its size/stride along the
+    dimension, "v" a scalar's value, "q" the stream handle."""
     if spec[0] == "scalar":
-        return [(spec[1], a, 0)]
+        return [("v", spec[1], 0, 0)]
     if spec[0] == "stream":
-        return [("int64_t", a, 0)]
+        return [("q", "int64_t", 0, 0)]
     _, shape_ctype, n_shapes, stride_ctype, n_strides = spec
-    fields = [("data", ctypes.c_void_p, f"{a}.data_ptr()")]
-    fields += [(f"s{i}", _C_TYPES[shape_ctype], f"{a}.size({i})") for i in range(n_shapes)]
-    fields += [(f"t{i}", _C_TYPES[stride_ctype], f"{a}.stride({i})") for i in range(n_strides)]
-    layout = type("Layout", (ctypes.Structure,), {"_fields_": [(n, t) for n, t, _ in fields]})
+    parts = [("data", ctypes.c_void_p, "d", 0)]
+    parts += [(f"s{i}", _C_TYPES[shape_ctype], "s", i) for i in range(n_shapes)]
+    parts += [(f"t{i}", _C_TYPES[stride_ctype], "t", i) for i in range(n_strides)]
+    layout = type("Layout", (ctypes.Structure,), {"_fields_": [(n, t) for n, t, _, _ in parts]})
     ctypes_names = {ctypes.c_void_p: "int64_t", ctypes.c_int32: "int32_t", ctypes.c_int64: "int64_t"}
-    return [(ctypes_names[t], expr, getattr(layout, n).offset) for n, t, expr in fields]
+    return [(what, ctypes_names[t], dim, getattr(layout, n).offset) for n, t, what, dim in parts]
+
+
+def layout(abi: list[list], present: list[bool]) -> tuple[list[tuple[int, str, str, int, int]], list[int], int]:
+    """Where every field of every present argument goes in the word buffer:
+    (argument index, what, C type, dimension, byte offset) per field, the
+    first word of each present argument, and the buffer's size in words.
+    Argument ``i`` has no fields where ``present[i]`` is false (None at compile time)."""
+    placed, starts, word = [], [], 0
+    specs = iter(abi)
+    for index, is_present in enumerate(present):
+        if not is_present:
+            continue
+        starts.append(word)
+        arg_fields = fields(next(specs))
+        placed += [(index, what, ctype, dim, _WORD * word + offset) for what, ctype, dim, offset in arg_fields]
+        word += max(offset for *_, offset in arg_fields) // _WORD + 1
+    return placed, starts, word
+
+
+_EXPRESSIONS = {"d": "a{i}.data_ptr()", "s": "a{i}.size({dim})", "t": "a{i}.stride({dim})", "v": "a{i}", "q": "a{i}"}
 
 
 def _word_value(parts: list[tuple[str, str, int]]) -> str:
@@ -109,29 +135,24 @@ def _word_value(parts: list[tuple[str, str, int]]) -> str:
 
 def make_packer(abi: list[list], present: list[bool]):
     """Build ``pack(buf, *args)``: writes every present argument into the
-    64-bit word buffer ``buf``; returns it with each argument's first word.
+    64-bit word buffer ``buf``; returns it with each argument's first word
+    and the buffer's size in words.
 
     The function is generated as straight-line code (one assignment per
-    word, no loops or per-argument calls), since it runs on every launch.
-    Argument ``i`` is skipped where ``present[i]`` is false (None at compile time).
+    word, no loops or per-argument calls), since it runs on every launch
+    where the C launcher is not built.
     """
-    lines, starts, word = [], [], 0
-    specs = iter(abi)
-    for index, is_present in enumerate(present):
-        if not is_present:
-            continue
-        starts.append(word)
-        by_word: dict[int, list] = {}
-        for ctype, expr, offset in _fields(next(specs), f"a{index}"):
-            by_word.setdefault(offset // _WORD, []).append((ctype, expr, offset % _WORD))
-        for w in sorted(by_word):
-            lines.append(f"    buf[{word + w}] = {_word_value(by_word[w])}")
-        word += max(by_word) + 1
+    placed, starts, words = layout(abi, present)
+    by_word: dict[int, list] = {}
+    for index, what, ctype, dim, offset in placed:
+        expr = _EXPRESSIONS[what].format(i=index, dim=dim)
+        by_word.setdefault(offset // _WORD, []).append((ctype, expr, offset % _WORD))
+    lines = [f"    buf[{w}] = {_word_value(by_word[w])}" for w in sorted(by_word)]
     params = ", ".join(f"a{i}" for i in range(len(present)))
     source = f"def pack(buf, {params}):\n" + ("\n".join(lines) or "    pass") + "\n"
     namespace = {"_f32_bits": _f32_bits, "_f64_bits": _f64_bits}
     exec(compile(source, "<quack launcher pack>", "exec"), namespace)
-    return namespace["pack"], starts, word
+    return namespace["pack"], starts, words
 
 
 @functools.lru_cache(maxsize=256)
@@ -149,22 +170,28 @@ class FastLauncher:
 
     Arguments are passed positionally as the launcher declares them (None
     for absent optional tensors, as at compile time); scalars as Python
-    numbers and the stream as a raw handle (``int``).
+    numbers and the stream as a raw handle (``int``).  After the first call
+    the C launcher (``_fastlaunch``) packs and calls; where it is not built,
+    generated Python does (``launcher_kind`` says which).
     """
 
     def __init__(self, fn: Any, abi: list[list]):
         self._fn = fn
         self._abi = abi
-        self._pack = None  # generated at the first call, when None positions are known
+        self._c = None  # the C launcher, once the first call has set it up
+        self._pack = None  # or the generated Python packer
         self._buf = None
         self._packed = None  # the pointer array handed to the entry point
         self._capi = None
         self._result = None
         self._nargs = 0
-        # The buffer is shared state: one launch packs and calls at a time.
+        # The buffer is shared state: one launch packs and calls at a time
+        # (the C launcher holds the GIL from packing to launch).
         self._lock = threading.Lock()
 
     def __call__(self, *args: Any) -> None:
+        if self._c is not None:
+            return self._c(*args)
         with self._lock:
             if self._packed is None:
                 self._first_call(args)
@@ -175,6 +202,12 @@ class FastLauncher:
             self._capi(self._packed)
             if self._result is not None and self._result.value != 0:
                 raise RuntimeError(f"kernel launch failed with CUDA error {self._result.value}")
+
+    def bare(self, calls: int) -> float | None:
+        """Seconds for ``calls`` calls of the entry point from C with the last
+        call's arguments (no packing): the floor a launch cannot go below.
+        None without the C launcher."""
+        return None if self._c is None else self._c.bare(calls)
 
     def _first_call(self, args: tuple) -> None:
         """Launch through the DSL once (it loads the module onto the device),
@@ -195,6 +228,46 @@ class FastLauncher:
         self._packed = (ctypes.c_void_p * len(packed))(*packed)
         self._capi = executor.capi_func
         self._result = executor.cuda_result
+        self._c = _c_launcher(self._capi, self._result, self._packed, buf, layout(self._abi, present)[0], len(args))
+
+
+def _c_launcher(capi: Any, result: Any, packed: Any, buf: array.array, placed: list, nargs: int):
+    """The C launcher over the same buffer and pointer array (it holds
+    both), or None where it cannot run."""
+    if not isinstance(capi, ctypes._CFuncPtr) or not (result is None or isinstance(result, ctypes.c_int32)):
+        return None  # the DSL wrapped its entry point (profiling): keep its call
+    module, api, tensor = _c_module()
+    if module is None:
+        return None
+    return module.Launcher(
+        ctypes.cast(capi, ctypes.c_void_p).value, packed, buf, result, nargs,
+        [(index, what, _CTYPE_CODES[ctype], dim, offset) for index, what, ctype, dim, offset in placed], api, tensor,
+    )
+
+
+@functools.lru_cache(maxsize=None)
+def _c_module() -> tuple[Any, Any, Any]:
+    """(the built C module, torch's DLPack exchange capsule, torch.Tensor), or
+    Nones with a one-time notice where either is missing."""
+    import torch
+
+    api = getattr(torch.Tensor, "__dlpack_c_exchange_api__", None)
+    try:
+        from . import _fastlaunch
+    except ImportError as err:
+        reason = f"it is not built ({err}); `pip install .` builds it"
+    else:
+        if api is not None:
+            return _fastlaunch, api, torch.Tensor
+        reason = f"torch {torch.__version__} has no DLPack C exchange table"
+    warnings.warn(f"quack: kernels launch through ctypes, a few microseconds more per call: the C launcher "
+                  f"cannot run ({reason})", stacklevel=4)
+    return None, None, None
+
+
+def launcher_kind() -> str:
+    """Which launcher later calls take: "C" (quack.cache._fastlaunch) or "ctypes"."""
+    return "C" if _c_module()[0] is not None else "ctypes"
 
 
 def _dsl_value(spec: list, arg: Any) -> Any:

@@ -9,7 +9,7 @@ from typing import Any
 _LOCK = threading.Lock()
 _HITS: Counter[str] = Counter()  # layer label ("memory", a read-only path, "writable") -> hits
 _COUNTS: Counter[str] = Counter()  # misses, compiles, exports, bad_entries
-_SECONDS: Counter[str] = Counter()  # load, compile
+_SECONDS: Counter[str] = Counter()  # verify, load, compile
 
 
 def record_hit(layer: str) -> None:
@@ -25,7 +25,9 @@ def record(event: str) -> None:
 
 
 def record_seconds(phase: str, seconds: float) -> None:
-    """Add time spent in ``load`` or ``compile`` (compile includes export)."""
+    """Add time spent in ``verify`` (reading an entry and checking its sidecar
+    and sha256), ``load`` (the DSL linking the object) or ``compile``
+    (compile includes export)."""
     with _LOCK:
         _SECONDS[phase] += seconds
 
@@ -39,6 +41,7 @@ def stats() -> dict[str, Any]:
             "compiles": _COUNTS["compile"],
             "exports": _COUNTS["export"],
             "bad_entries": _COUNTS["bad_entry"],
+            "verify_seconds": _SECONDS["verify"],
             "load_seconds": _SECONDS["load"],
             "compile_seconds": _SECONDS["compile"],
         }

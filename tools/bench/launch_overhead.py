@@ -1,72 +1,194 @@
-"""Per-call CPU cost of launching a cached kernel, against torch's own eager dispatch.
+"""What a call costs on the CPU, against the torch op it replaces, and what a cold start costs.
 
-    python tools/bench/launch_overhead.py
+    QUACK_CACHE_PATH=<objects> python tools/bench/launch_overhead.py [--calls N] [--no-cold]
 
-10,000 back-to-back calls at a tiny shape, bf16 (8, 4096), timed on the CPU
-(the GPU work per call is far shorter than the launch):
+Per-call table: each eager op (no grad) at a decode-sized shape beside its torch
+op, then the raw cached launch (the handle, preallocated outputs), the same
+object's entry point called from C with no packing (``FastLauncher.bare``: the
+floor), the CuTe DSL's own call path, and ``torch.add(out=)``.  Calls are timed
+in batches of 200 on the CPU clock only, with a synchronize between batches
+(untimed), so the GPU queue never fills and throttles the loop.  The header says
+which launcher ran (C or ctypes).
 
-* raw cached kernel: the handle the cache returns, called with preallocated
-  outputs (quack's fast launcher: arguments packed into one buffer, the
-  object's C entry point called directly);
-* the CuTe DSL's own call path for the same loaded object (DLPack conversion
-  of every tensor on each call), for comparison;
-* ``quack.rmsnorm(x, w)``: the public op, eager, no grad (validation,
-  allocation, lookup, launch);
-* ``torch.nn.functional.rms_norm(x, (4096,), w)`` and ``torch.add(out=)``.
+Cold start (each in a fresh interpreter): ``import torch``; ``import quack``;
+a family's module import (the CuTe DSL's import shown apart); the first call of
+each family once torch has made the CUDA context, with the cache's load time;
+and its second call.  Run against objects that hold every kernel here (the
+Bazel-built bundle): a miss would time a compile, so the cold runs are strict.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
+import subprocess
 import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+REPO = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
+sys.path.insert(0, REPO)
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-
-import quack  # noqa: E402
-import quack.torch_interop as ti  # noqa: E402
-from quack.rmsnorm import compile_rmsnorm_fwd  # noqa: E402
-
-CALLS = 10_000
+BATCH = 200
 
 
-def per_call_us(fn) -> float:
-    for _ in range(500):
+def per_call_us(fn, calls: int) -> float:
+    import torch
+
+    for _ in range(BATCH):
         fn()
     torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(CALLS):
-        fn()
-    elapsed = time.perf_counter() - start
-    torch.cuda.synchronize()
-    return elapsed / CALLS * 1e6
+    elapsed = 0.0
+    for _ in range(max(1, calls // BATCH)):
+        start = time.perf_counter()
+        for _ in range(BATCH):
+            fn()
+        elapsed += time.perf_counter() - start
+        torch.cuda.synchronize()
+    return elapsed / (max(1, calls // BATCH) * BATCH) * 1e6
 
 
-def main() -> None:
+def op_pairs():
+    """(label, quack call, torch call) at the shapes of issue 19's table."""
+    import torch
+    import torch.nn.functional as F
+
+    import quack
+
+    def randn(*shape, dtype=torch.bfloat16):
+        return torch.randn(*shape, device="cuda", dtype=dtype)
+
+    x1, w = randn(1, 4096), randn(4096)
+    x8, b = randn(8, 4096), randn(4096)
+    target = torch.randint(0, 4096, (8,), device="cuda")
+    a, bm = randn(16, 4096), randn(4096, 4096)
+    return [
+        ("rmsnorm (1, 4096), bf16 weight", lambda: quack.rmsnorm(x1, w), lambda: F.rms_norm(x1, (4096,), w)),
+        ("softmax (8, 4096)", lambda: quack.softmax(x8), lambda: torch.softmax(x8, -1)),
+        ("layernorm (8, 4096)", lambda: quack.layernorm(x8, w, b), lambda: F.layer_norm(x8, (4096,), w, b)),
+        ("cross_entropy (8, 4096), mean", lambda: quack.cross_entropy(x8, target),
+         lambda: F.cross_entropy(x8, target)),
+        ("gemm (16, 4096) x (4096, 4096)", lambda: quack.gemm(a, bm), lambda: torch.matmul(a, bm)),
+    ]
+
+
+def raw_rows():
+    """The raw launch of one cached object, its floor and the DSL's call path, beside torch.add."""
+    import torch
+
+    import quack.torch_interop as ti
+    from quack.rmsnorm import compile_rmsnorm_fwd
+
     x = torch.randn(8, 4096, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(4096, device="cuda", dtype=torch.bfloat16)
-    y = torch.empty_like(x)
-    rstd = torch.empty(8, device="cuda")
+    y, rstd = torch.empty_like(x), torch.empty(8, device="cuda")
     stream = ti.current_stream(x.device)
     kernel = compile_rmsnorm_fwd("bfloat16", "bfloat16", False, 4096, 8)
-    dsl_fn = kernel._fn._fn  # the JitCompiledFunction the fast launcher wraps
+    kernel(x, w, None, y, None, rstd, 1e-6, stream)
+    fast = kernel._fn  # the FastLauncher of the object loaded on this device
+    rows = [("raw cached launch, rmsnorm fwd (8, 4096)", lambda: kernel(x, w, None, y, None, rstd, 1e-6, stream))]
+    bare = fast.bare
+    rows.append(("  its entry point from C, no packing", (lambda: bare(BATCH), BATCH) if fast._c else None))
     import cuda.bindings.driver as cuda
     from cutlass import Float32
 
     cu_stream = cuda.CUstream(stream)
-    rows = [
-        ("raw cached kernel (fast launcher)", lambda: kernel(x, w, None, y, None, rstd, 1e-6, stream)),
-        ("same object, CuTe DSL call path", lambda: dsl_fn(x, w, None, y, None, rstd, Float32(1e-6), cu_stream)),
-        ("quack.rmsnorm(x, w), eager", lambda: quack.rmsnorm(x, w)),
-        ("F.rms_norm(x, (4096,), w)", lambda: F.rms_norm(x, (4096,), w)),
-        ("torch.add(x, x, out=y)", lambda: torch.add(x, x, out=y)),
-    ]
-    print(f"per-call CPU time, {CALLS} back-to-back calls, bf16 (8, 4096)")
-    for name, fn in rows:
-        print(f"  {name:<36} {per_call_us(fn):8.2f} us")
+    dsl_fn = fast._fn
+    rows.append(("  same object, CuTe DSL call path",
+                 lambda: dsl_fn(x, w, None, y, None, rstd, Float32(1e-6), cu_stream)))
+    rows.append(("torch.add(x, x, out=y)", lambda: torch.add(x, x, out=y)))
+    return rows
+
+
+def bare_us(fn_batch, calls: int) -> float:
+    """``bare(n)`` returns seconds for n calls made from C."""
+    import torch
+
+    fn, n = fn_batch
+    total, done = 0.0, 0
+    while done < calls:
+        total += fn()
+        done += n
+        torch.cuda.synchronize()
+    return total / done * 1e6
+
+
+_COLD = r"""
+import json, sys, time
+t0 = time.perf_counter(); import torch; t1 = time.perf_counter()
+import quack; t2 = time.perf_counter()
+torch.empty(1, device="cuda"); torch.cuda.synchronize(); t3 = time.perf_counter()
+dsl = "cutlass" in sys.modules
+import cutlass.cute; t4 = time.perf_counter()
+import quack.{family} as family_module; t5 = time.perf_counter()
+from quack.cache import stats
+x = torch.randn(8, 4096, device="cuda", dtype=torch.bfloat16)
+w = torch.randn(4096, device="cuda", dtype=torch.bfloat16)
+call = {call}
+torch.cuda.synchronize(); t6 = time.perf_counter()
+call(); torch.cuda.synchronize(); t7 = time.perf_counter()
+call(); torch.cuda.synchronize(); t8 = time.perf_counter()
+s = stats.stats()
+print(json.dumps(dict(import_torch=t1 - t0, import_quack=t2 - t1, cuda_context=t3 - t2, dsl_already=dsl,
+                      import_dsl=t4 - t3, import_family=t5 - t4, first_call=t7 - t6, second_call=t8 - t7,
+                      loads=sum(v for k, v in s["hits"].items() if k != "memory"), load_seconds=s["load_seconds"],
+                      verify_seconds=s["verify_seconds"],
+                      compiles=s["compiles"])))
+"""
+
+_COLD_CALLS = {
+    "rmsnorm": "lambda: family_module.rmsnorm(x, w)",
+    "softmax": "lambda: family_module.softmax(x)",
+    "layernorm": "lambda: family_module.layernorm(x, w, w)",
+    "cross_entropy": "lambda: family_module.cross_entropy(x, torch.zeros(8, dtype=torch.long, device='cuda'))",
+    "gemm": "lambda: family_module.gemm(x, torch.randn(4096, 4096, device='cuda', dtype=torch.bfloat16))",
+}
+
+
+def cold_start() -> None:
+    env = dict(os.environ, QUACK_CACHE_STRICT="1", PYTHONPATH=os.pathsep.join(filter(None, [REPO, os.environ.get(
+        "PYTHONPATH")])))
+    print("\ncold start, fresh interpreter each (seconds; strict: every kernel from the cache)")
+    print(f"  {'family':<14} {'torch':>6} {'quack':>6} {'ctx':>6} {'DSL':>6} {'module':>7} {'1st call':>9} "
+          f"{'verify':>7} {'load':>7} {'loads':>5} {'2nd call':>9}")
+    for family, call in _COLD_CALLS.items():
+        done = subprocess.run([sys.executable, "-c", _COLD.format(family=family, call=call)], env=env,
+                              capture_output=True, text=True)
+        if done.returncode != 0:
+            print(f"  {family:<14} failed: {done.stderr.strip().splitlines()[-1]}")
+            continue
+        r = json.loads(done.stdout.strip().splitlines()[-1])
+        print(f"  {family:<14} {r['import_torch']:6.2f} {r['import_quack']:6.3f} {r['cuda_context']:6.2f} "
+              f"{r['import_dsl']:6.2f} {r['import_family']:7.3f} {r['first_call']:9.4f} {r['verify_seconds']:7.4f} {r['load_seconds']:7.4f} "
+              f"{r['loads']:5d} {r['second_call']:9.5f}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--calls", type=int, default=10_000)
+    parser.add_argument("--no-cold", action="store_true", help="skip the fresh-interpreter cold starts")
+    args = parser.parse_args()
+
+    import torch
+
+    from quack.cache.launcher import launcher_kind
+
+    print(f"per-call CPU time (us), {args.calls} calls in batches of {BATCH}; launcher: {launcher_kind()}; "
+          f"torch {torch.__version__}, {torch.cuda.get_device_name()}")
+    print(f"  {'call':<40} {'quack':>8} {'torch':>8} {'ratio':>6}")
+    with torch.no_grad():
+        for label, ours, theirs in op_pairs():
+            q, t = per_call_us(ours, args.calls), per_call_us(theirs, args.calls)
+            print(f"  {label:<40} {q:8.2f} {t:8.2f} {q / t:6.2f}")
+        for label, fn in raw_rows():
+            if fn is None:
+                print(f"  {label:<40} {'(no C launcher)':>8}")
+            elif isinstance(fn, tuple):
+                print(f"  {label:<40} {bare_us(fn, args.calls):8.2f}")
+            else:
+                print(f"  {label:<40} {per_call_us(fn, args.calls):8.2f}")
+    if not args.no_cold:
+        cold_start()
 
 
 if __name__ == "__main__":

@@ -1,0 +1,346 @@
+/* The kernel launcher's per-call work in C: read each tensor through torch's
+ * DLPack C exchange interface, write its fields into the packed argument
+ * buffer, call the exported object's entry point.
+ *
+ * Python (quack/cache/launcher.py) decides everything once per kernel: where
+ * each field goes (byte offsets in the buffer), the pointer array the entry
+ * point takes, and the entry point's address.  This module only repeats the
+ * writes on every call, so a launch costs no per-argument Python.
+ *
+ * No torch or CUDA headers: the few DLPack declarations needed are below
+ * (DLPack 1.x, whose exchange table torch exposes as the capsule
+ * ``torch.Tensor.__dlpack_c_exchange_api__``).  Built against the stable ABI
+ * (Python 3.11 and later), so one build serves every interpreter. */
+
+#define Py_LIMITED_API 0x030B0000
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+#include <time.h>
+
+/* ---- DLPack 1.x, as far as this module reads it --------------------------- */
+typedef struct { uint32_t major, minor; } DLPackVersion;
+typedef struct { int32_t device_type, device_id; } DLDevice;
+typedef struct { uint8_t code, bits; uint16_t lanes; } DLDataType;
+typedef struct {
+    void *data;
+    DLDevice device;
+    int32_t ndim;
+    DLDataType dtype;
+    int64_t *shape;
+    int64_t *strides;
+    uint64_t byte_offset;
+} DLTensor;
+typedef struct DLPackExchangeAPIHeader {
+    DLPackVersion version;
+    struct DLPackExchangeAPIHeader *prev_api;
+} DLPackExchangeAPIHeader;
+typedef struct {
+    DLPackExchangeAPIHeader header;
+    void *managed_tensor_allocator;
+    void *managed_tensor_from_py_object_no_sync;
+    void *managed_tensor_to_py_object_no_sync;
+    int (*dltensor_from_py_object_no_sync)(void *py_object, DLTensor *out);
+    int (*current_work_stream)(int32_t device_type, int32_t device_id, void **out_stream);
+} DLPackExchangeAPI;
+
+/* ---- one field write ------------------------------------------------------ */
+enum what { DATA = 'd', SIZE = 's', STRIDE = 't', VALUE = 'v', STREAM = 'q' };
+enum ctype { I32 = 'i', I64 = 'l', F32 = 'f', F64 = 'd', BOOL = 'b' };
+
+typedef struct {
+    int32_t arg;    /* positional argument index */
+    char what;      /* enum what */
+    char ctype;     /* enum ctype (ignored for DATA and STREAM: 64-bit) */
+    int32_t dim;    /* for SIZE and STRIDE */
+    int64_t offset; /* byte offset in the buffer */
+} Field;
+
+typedef struct {
+    PyObject_HEAD
+    void (*entry)(void **);
+    Py_buffer packed_view; /* the pointer array the entry point takes */
+    Py_buffer buffer_view; /* the fields' storage, pointed into by the array */
+    Py_buffer result_view; /* the CUDA status the entry point writes (len 0: none) */
+    void **packed;
+    char *buffer;
+    int32_t *result;
+    const DLPackExchangeAPI *api;
+    PyObject *tensor_type; /* torch.Tensor: the type the exchange table serves */
+    Py_ssize_t nargs;
+    Py_ssize_t nfields;
+    Field *fields;
+} Launcher;
+
+static int write_int(char *at, char ctype, int64_t v) {
+    switch (ctype) {
+    case I32:
+        if (v < INT32_MIN || v > INT32_MAX) {
+            PyErr_Format(PyExc_OverflowError, "quack launcher: %lld does not fit a 32-bit argument", (long long)v);
+            return -1;
+        }
+        *(int32_t *)at = (int32_t)v;
+        return 0;
+    case I64: *(int64_t *)at = v; return 0;
+    case BOOL: *(uint8_t *)at = v != 0; return 0;
+    case F32: *(float *)at = (float)v; return 0;
+    case F64: *(double *)at = (double)v; return 0;
+    }
+    PyErr_SetString(PyExc_SystemError, "quack launcher: unknown field type");
+    return -1;
+}
+
+static int write_value(char *at, char ctype, PyObject *obj) {
+    if (ctype == F32 || ctype == F64) {
+        double d = PyFloat_AsDouble(obj);
+        if (d == -1.0 && PyErr_Occurred()) return -1;
+        if (ctype == F32) *(float *)at = (float)d; else *(double *)at = d;
+        return 0;
+    }
+    long long v = PyLong_AsLongLong(obj);
+    if (v == -1 && PyErr_Occurred()) return -1;
+    return write_int(at, ctype, v);
+}
+
+/* The tensor's DLTensor view, checked to be a torch.Tensor (what the table serves). */
+static int view(Launcher *self, PyObject *obj, Py_ssize_t index, DLTensor *out) {
+    int is_tensor = PyObject_IsInstance(obj, self->tensor_type);
+    if (is_tensor < 0) return -1;
+    if (!is_tensor) {
+        PyErr_Format(PyExc_TypeError, "quack launcher: argument %zd must be a torch.Tensor", index);
+        return -1;
+    }
+    return self->api->dltensor_from_py_object_no_sync((void *)obj, out);
+}
+
+static int pack(Launcher *self, PyObject *const *args) {
+    DLTensor t;
+    Py_ssize_t viewed = -1; /* the argument t describes */
+    for (Py_ssize_t i = 0; i < self->nfields; i++) {
+        const Field *f = &self->fields[i];
+        PyObject *obj = args[f->arg];
+        char *at = self->buffer + f->offset;
+        if (f->what == VALUE) {
+            if (write_value(at, f->ctype, obj) < 0) return -1;
+            continue;
+        }
+        if (f->what == STREAM) {
+            void *stream = PyLong_AsVoidPtr(obj);
+            if (stream == NULL && PyErr_Occurred()) return -1;
+            *(void **)at = stream;
+            continue;
+        }
+        if (viewed != f->arg) {
+            if (view(self, obj, f->arg, &t) < 0) return -1;
+            viewed = f->arg;
+        }
+        if (f->what == DATA) {
+            *(void **)at = (char *)t.data + t.byte_offset;
+        } else if (f->dim >= t.ndim) {
+            PyErr_Format(PyExc_ValueError, "quack launcher: argument %d has %d dimensions, the kernel reads dimension %d",
+                         f->arg, t.ndim, f->dim);
+            return -1;
+        } else if (f->what == SIZE) {
+            if (write_int(at, f->ctype, t.shape[f->dim]) < 0) return -1;
+        } else {
+            if (write_int(at, f->ctype, t.strides[f->dim]) < 0) return -1;
+        }
+    }
+    return 0;
+}
+
+static PyObject *launcher_call(PyObject *op, PyObject *args, PyObject *kwargs) {
+    Launcher *self = (Launcher *)op;
+    if (kwargs != NULL && PyDict_Size(kwargs) > 0) {
+        PyErr_SetString(PyExc_TypeError, "quack launcher: arguments are positional");
+        return NULL;
+    }
+    Py_ssize_t n = PyTuple_Size(args);
+    if (n != self->nargs) {
+        PyErr_Format(PyExc_TypeError, "kernel takes %zd arguments, got %zd", self->nargs, n);
+        return NULL;
+    }
+    PyObject *items[64];
+    for (Py_ssize_t i = 0; i < n; i++) items[i] = PyTuple_GetItem(args, i); /* borrowed */
+    if (pack(self, items) < 0) return NULL;
+    self->entry(self->packed);
+    if (self->result != NULL && *self->result != 0) {
+        PyErr_Format(PyExc_RuntimeError, "kernel launch failed with CUDA error %d", *self->result);
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+/* bare(n): the entry point called n times from C with the buffer as the last
+ * call left it; seconds in all.  What the launch costs without any packing. */
+static PyObject *launcher_bare(PyObject *op, PyObject *arg) {
+    Launcher *self = (Launcher *)op;
+    long n = PyLong_AsLong(arg);
+    if (n == -1 && PyErr_Occurred()) return NULL;
+    struct timespec a, b;
+    clock_gettime(CLOCK_MONOTONIC, &a);
+    for (long i = 0; i < n; i++) self->entry(self->packed);
+    clock_gettime(CLOCK_MONOTONIC, &b);
+    return PyFloat_FromDouble((double)(b.tv_sec - a.tv_sec) + 1e-9 * (double)(b.tv_nsec - a.tv_nsec));
+}
+
+static int one_of(const char *code, const char *codes) {
+    return code != NULL && code[0] != 0 && code[1] == 0 && strchr(codes, code[0]) != NULL;
+}
+
+/* A field's kind, and its C type where the kind takes one. */
+static int valid_field(const char *what, const char *ctype) {
+    if (!one_of(what, "dstvq")) return 0;
+    return what[0] == 'd' || what[0] == 'q' || one_of(ctype, "ildfb");
+}
+
+static int field_size(char what, char ctype) {
+    if (what == DATA || what == STREAM) return 8;
+    return ctype == I32 || ctype == F32 ? 4 : ctype == BOOL ? 1 : 8;
+}
+
+/* The fields as a table, each checked against the argument count and the buffer's size. */
+static Field *read_fields(PyObject *fields, Py_ssize_t nargs, Py_ssize_t buffer_len, Py_ssize_t *count) {
+    PyObject *seq = PySequence_Fast(fields, "fields must be a sequence");
+    if (seq == NULL) return NULL;
+    *count = PySequence_Size(seq);
+    Field *table = PyMem_Calloc(*count ? *count : 1, sizeof(Field));
+    if (table == NULL) {
+        Py_DECREF(seq);
+        PyErr_NoMemory();
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < *count; i++) {
+        const char *what, *ctype;
+        int arg, dim;
+        long long offset;
+        PyObject *item = PySequence_GetItem(seq, i);
+        int ok = item != NULL && PyArg_ParseTuple(item, "isziL", &arg, &what, &ctype, &dim, &offset);
+        Py_XDECREF(item);
+        if (ok && (arg < 0 || arg >= nargs || dim < 0 || !valid_field(what, ctype) || offset < 0 ||
+                   offset + field_size(what[0], ctype ? ctype[0] : 0) > buffer_len)) {
+            PyErr_Format(PyExc_ValueError, "quack launcher: bad field %zd", i);
+            ok = 0;
+        }
+        if (!ok) {
+            PyMem_Free(table);
+            Py_DECREF(seq);
+            return NULL;
+        }
+        table[i] = (Field){arg, what[0], ctype ? ctype[0] : 0, dim, offset};
+    }
+    Py_DECREF(seq);
+    return table;
+}
+
+static void release_views(Launcher *self) {
+    if (self->packed_view.obj) PyBuffer_Release(&self->packed_view);
+    if (self->buffer_view.obj) PyBuffer_Release(&self->buffer_view);
+    if (self->result_view.obj) PyBuffer_Release(&self->result_view);
+}
+
+/* Launcher(entry, packed, buffer, result, nargs, fields, api, tensor_type)
+ * entry: the entry point's address; packed, buffer and result (or None):
+ * writable buffers (a ctypes array, an array.array, a ctypes c_int32), held
+ * for the launcher's life; fields: a sequence of (arg, what, ctype, dim,
+ * offset) with what and ctype one-letter strings; api: the
+ * "dlpack_exchange_api" capsule; tensor_type: torch.Tensor. */
+static PyObject *launcher_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
+    unsigned long long entry;
+    Py_ssize_t nargs;
+    PyObject *packed, *buffer, *result, *fields, *capsule, *tensor_type;
+    if (kwargs != NULL && PyDict_Size(kwargs) > 0) {
+        PyErr_SetString(PyExc_TypeError, "quack launcher: arguments are positional");
+        return NULL;
+    }
+    if (!PyArg_ParseTuple(args, "KOOOnOOO", &entry, &packed, &buffer, &result, &nargs, &fields, &capsule,
+                          &tensor_type))
+        return NULL;
+    if (!entry) {
+        PyErr_SetString(PyExc_ValueError, "quack launcher: the entry point's address is 0");
+        return NULL;
+    }
+    if (nargs < 0 || nargs > 64) {
+        PyErr_SetString(PyExc_ValueError, "quack launcher: at most 64 arguments");
+        return NULL;
+    }
+    const DLPackExchangeAPI *api = PyCapsule_GetPointer(capsule, "dlpack_exchange_api");
+    if (api == NULL) return NULL;
+    if (api->header.version.major != 1 || api->dltensor_from_py_object_no_sync == NULL) {
+        PyErr_Format(PyExc_RuntimeError, "quack launcher: DLPack exchange table %u.%u without a DLTensor export",
+                     api->header.version.major, api->header.version.minor);
+        return NULL;
+    }
+    Launcher *self = (Launcher *)PyType_GenericAlloc(type, 0);
+    if (self == NULL) return NULL;
+    if (PyObject_GetBuffer(packed, &self->packed_view, PyBUF_WRITABLE) < 0 ||
+        PyObject_GetBuffer(buffer, &self->buffer_view, PyBUF_WRITABLE) < 0 ||
+        (result != Py_None && PyObject_GetBuffer(result, &self->result_view, PyBUF_WRITABLE) < 0))
+        goto fail;
+    if (self->packed_view.len < (Py_ssize_t)sizeof(void *) || (result != Py_None && self->result_view.len < 4)) {
+        PyErr_SetString(PyExc_ValueError, "quack launcher: the pointer array or the status is too small");
+        goto fail;
+    }
+    self->fields = read_fields(fields, nargs, self->buffer_view.len, &self->nfields);
+    if (self->fields == NULL) goto fail;
+    self->entry = (void (*)(void **))(uintptr_t)entry;
+    self->packed = self->packed_view.buf;
+    self->buffer = self->buffer_view.buf;
+    self->result = result == Py_None ? NULL : self->result_view.buf;
+    self->api = api;
+    Py_INCREF(tensor_type);
+    self->tensor_type = tensor_type;
+    self->nargs = nargs;
+    return (PyObject *)self;
+fail:
+    Py_DECREF(self);
+    return NULL;
+}
+
+static void launcher_dealloc(PyObject *op) {
+    Launcher *self = (Launcher *)op;
+    PyTypeObject *type = Py_TYPE(op);
+    Py_XDECREF(self->tensor_type);
+    release_views(self);
+    PyMem_Free(self->fields);
+    freefunc tp_free = (freefunc)PyType_GetSlot(type, Py_tp_free);
+    tp_free(op);
+    Py_DECREF(type);
+}
+
+static PyMethodDef launcher_methods[] = {
+    {"bare", launcher_bare, METH_O, "bare(n): seconds for n calls of the entry point from C, no packing"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyType_Slot launcher_slots[] = {
+    {Py_tp_new, launcher_new},
+    {Py_tp_dealloc, launcher_dealloc},
+    {Py_tp_call, launcher_call},
+    {Py_tp_methods, launcher_methods},
+    {Py_tp_doc, "Launcher(entry, packed, buffer, result, nargs, fields, api, tensor_type); launcher(*args)"},
+    {0, NULL},
+};
+
+static PyType_Spec launcher_spec = {
+    "quack.cache._fastlaunch.Launcher", sizeof(Launcher), 0, Py_TPFLAGS_DEFAULT, launcher_slots,
+};
+
+static int module_exec(PyObject *module) {
+    PyObject *type = PyType_FromSpec(&launcher_spec);
+    if (type == NULL) return -1;
+    if (PyModule_AddObject(module, "Launcher", type) < 0) {
+        Py_DECREF(type);
+        return -1;
+    }
+    return 0;
+}
+
+static PyModuleDef_Slot module_slots[] = {{Py_mod_exec, module_exec}, {0, NULL}};
+
+static struct PyModuleDef module_def = {
+    PyModuleDef_HEAD_INIT, "_fastlaunch", "The kernel launcher's per-call packing, in C.", 0, NULL, module_slots,
+};
+
+PyMODINIT_FUNC PyInit__fastlaunch(void) { return PyModuleDef_Init(&module_def); }

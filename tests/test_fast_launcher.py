@@ -1,0 +1,215 @@
+"""The C launcher (quack/cache/_fastlaunch.c) on the CPU: it writes the bytes
+the Python packer writes, calls the entry point with the pointer array, and
+reports a failed launch; FastLauncher takes it after its first call, and
+falls back to ctypes with a notice where it is missing.
+
+The entry point here is a ctypes callback standing in for an exported
+object's host entry (``void entry(void **args)``), and tensors are CPU ones:
+torch's DLPack exchange table serves any device.  Where the extension is not
+built in place, the fixture builds it with the project's own setup.py (what
+``pip install .`` does)."""
+
+from __future__ import annotations
+
+import array
+import ctypes
+import importlib.util
+import shutil
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from quack.cache import launcher
+from quack.cache.launcher import FastLauncher, layout, make_packer, parse_abi
+
+REPO = Path(__file__).resolve().parents[1]
+
+HEADER = """
+typedef struct { void *data; int32_t dynamic_shapes[1]; int64_t dynamic_strides[1]; } p_Tensor_mX_t;
+typedef struct { void *data; } p_Tensor_mW_t;
+typedef struct { void *data; int32_t dynamic_shapes[2]; } p_Tensor_mR_t;
+static inline int32_t cute_dsl_p_wrapper(p_Kernel_Module_t *module, p_Tensor_mX_t *mX, p_Tensor_mW_t *mW,
+    p_Tensor_mR_t *mR, float eps, int32_t count, bool flag, double scale, int64_t big, cudaStream_t stream) {
+"""
+ABI = parse_abi(HEADER, "p")
+# Argument 2 (a residual, say) was None at compile time: it has no struct.
+PRESENT = [True, True, False, True, True, True, True, True, True, True]
+ENTRY = ctypes.CFUNCTYPE(None, ctypes.POINTER(ctypes.c_void_p))
+
+
+@pytest.fixture(scope="module")
+def fastlaunch(tmp_path_factory):
+    try:
+        from quack.cache import _fastlaunch
+    except ImportError:
+        _fastlaunch = _build(tmp_path_factory.mktemp("fastlaunch"))
+    return _fastlaunch
+
+
+def _build(out: Path):
+    """The extension built by the project's setup.py (in a copy holding just
+    it and the C source) and imported from there."""
+    source = out / "src"
+    (source / "quack/cache").mkdir(parents=True)
+    shutil.copy(REPO / "setup.py", source)
+    shutil.copy(REPO / "quack/cache/_fastlaunch.c", source / "quack/cache")
+    done = subprocess.run(
+        [sys.executable, "setup.py", "build_ext", "--build-lib", str(out / "lib"), "--build-temp", str(out / "tmp")],
+        cwd=source, capture_output=True, text=True,
+    )
+    built = sorted((out / "lib").glob("quack/cache/_fastlaunch*.so"))
+    if not built:
+        pytest.skip(f"the C launcher could not be built here (no C compiler?): {done.stderr[-500:]}")
+    spec = importlib.util.spec_from_file_location("quack.cache._fastlaunch", built[0])
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _args():
+    x = torch.zeros(37, 100)[:, :64]  # row stride 100
+    w = torch.zeros(64)
+    r = torch.zeros(5, 3)
+    return [x, w, None, r, 0.5, -100, True, -2.25, -(2**40), 0xABC]
+
+
+class _Recorder:
+    """An entry point that remembers the first pointer of each call's array."""
+
+    def __init__(self):
+        self.firsts = []
+        self.entry = ENTRY(lambda args: self.firsts.append(args[0]))
+        self.address = ctypes.cast(self.entry, ctypes.c_void_p).value
+
+
+def _c_launcher(fastlaunch, entry_address, result=None):
+    placed, starts, words = layout(ABI, PRESENT)
+    buf = array.array("q", [0] * words)
+    base = buf.buffer_info()[0]
+    packed = (ctypes.c_void_p * len(starts))(*[base + 8 * s for s in starts])
+    fields = [(i, what, launcher._CTYPE_CODES[ctype], dim, offset) for i, what, ctype, dim, offset in placed]
+    c = fastlaunch.Launcher(entry_address, packed, buf, result, len(PRESENT), fields,
+                            torch.Tensor.__dlpack_c_exchange_api__, torch.Tensor)
+    return c, buf, packed
+
+
+def test_c_launcher_writes_what_the_python_packer_writes_and_calls_the_entry(fastlaunch):
+    recorder = _Recorder()
+    c, buf, packed = _c_launcher(fastlaunch, recorder.address)
+    args = _args()
+    c(*args)
+    pack, _, words = make_packer(ABI, PRESENT)
+    expected = array.array("q", [0] * words)
+    pack(expected, *args)
+    # Field by field: the C launcher writes each field's own bytes (a word's
+    # spare bytes are nobody's), the Python packer whole words.
+    placed, _, _ = layout(ABI, PRESENT)
+    assert len(placed) == 13
+    for _, what, ctype, _, offset in placed:
+        size = {"int32_t": 4, "float": 4, "bool": 1}.get(ctype, 8)
+        assert buf.tobytes()[offset:offset + size] == expected.tobytes()[offset:offset + size], (what, ctype)
+    assert recorder.firsts == [packed[0]]
+    assert ctypes.c_void_p.from_address(packed[0]).value == args[0].data_ptr()
+
+
+def test_c_launcher_reports_a_failed_launch(fastlaunch):
+    status = ctypes.c_int32(0)
+
+    def fail(args):
+        status.value = 700  # what the entry point writes for a CUDA error
+
+    entry = ENTRY(fail)
+    # The launcher holds its buffers (dropped here): no use after free.
+    c, _, _ = _c_launcher(fastlaunch, ctypes.cast(entry, ctypes.c_void_p).value, status)
+    with pytest.raises(RuntimeError, match="CUDA error 700"):
+        c(*_args())
+
+
+def test_c_launcher_refuses_bad_arguments(fastlaunch):
+    recorder = _Recorder()
+    c, _, _ = _c_launcher(fastlaunch, recorder.address)
+    args = _args()
+    with pytest.raises(TypeError, match="takes 10 arguments, got 9"):
+        c(*args[:-1])
+    with pytest.raises(TypeError, match="argument 1 must be a torch.Tensor"):
+        c(*[args[0], 3.0] + args[2:])
+    with pytest.raises(OverflowError, match="32-bit"):
+        c(*args[:5] + [2**31] + args[6:])
+    with pytest.raises(TypeError):
+        c(*args[:4] + ["eps"] + args[5:])
+    assert recorder.firsts == []  # nothing launched
+    with pytest.raises(ValueError, match="bad field"):
+        fastlaunch.Launcher(recorder.address, (ctypes.c_void_p * 1)(), array.array("q", [0]), None, 1,
+                            [(0, "x", "i", 0, 0)], torch.Tensor.__dlpack_c_exchange_api__, torch.Tensor)
+    with pytest.raises(ValueError, match="bad field"):  # past the buffer's end
+        fastlaunch.Launcher(recorder.address, (ctypes.c_void_p * 1)(), array.array("q", [0]), None, 1,
+                            [(0, "s", "l", 0, 4)], torch.Tensor.__dlpack_c_exchange_api__, torch.Tensor)
+
+
+class _Executor:
+    """The DSL executor's parts FastLauncher takes over after the first call."""
+
+    def __init__(self, entry):
+        self.capi_func = entry
+        self.cuda_result = ctypes.c_int32(0)
+
+    def _get_invoke_packed_args(self, addresses):
+        return list(addresses) + [ctypes.addressof(self.cuda_result)]
+
+
+class _DslFunction:
+    def __init__(self, entry):
+        self.calls = 0
+        self._default_executor = _Executor(entry)
+
+    def __call__(self, *args):
+        self.calls += 1
+
+
+def _launch_twice(monkeypatch, module):
+    monkeypatch.setitem(sys.modules, "quack.cache._fastlaunch", module)
+    launcher._c_module.cache_clear()
+    recorder = _Recorder()
+    dsl = _DslFunction(recorder.entry)
+    fast = FastLauncher(dsl, ABI)
+    args = _args()
+    fast(*args)  # through the DSL
+    fast(*args)  # through the entry point
+    launcher._c_module.cache_clear()
+    return fast, dsl, recorder, args
+
+
+def test_fast_launcher_takes_the_c_launcher_after_the_first_call(fastlaunch, monkeypatch):
+    fast, dsl, recorder, args = _launch_twice(monkeypatch, fastlaunch)
+    assert dsl.calls == 1 and len(recorder.firsts) == 1
+    assert fast._c is not None
+    assert ctypes.c_void_p.from_address(recorder.firsts[0]).value == args[0].data_ptr()
+    assert fast.bare(3) >= 0 and len(recorder.firsts) == 4
+
+
+def test_without_the_extension_ctypes_launches_after_one_notice(monkeypatch):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fast, dsl, recorder, args = _launch_twice(monkeypatch, None)  # None in sys.modules: ImportError
+    assert fast._c is None and fast.bare(1) is None
+    assert dsl.calls == 1 and len(recorder.firsts) == 1
+    assert ctypes.c_void_p.from_address(recorder.firsts[0]).value == args[0].data_ptr()
+    notices = [w for w in caught if "launch through ctypes" in str(w.message)]
+    assert len(notices) == 1 and "not built" in str(notices[0].message)
+
+
+def test_launcher_kind_names_the_launcher(fastlaunch, monkeypatch):
+    monkeypatch.setitem(sys.modules, "quack.cache._fastlaunch", fastlaunch)
+    launcher._c_module.cache_clear()
+    try:
+        assert launcher.launcher_kind() == "C"
+        monkeypatch.setitem(sys.modules, "quack.cache._fastlaunch", None)
+        launcher._c_module.cache_clear()
+        with pytest.warns(UserWarning, match="ctypes"):
+            assert launcher.launcher_kind() == "ctypes"
+    finally:
+        launcher._c_module.cache_clear()
