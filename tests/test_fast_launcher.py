@@ -23,6 +23,8 @@ from pathlib import Path
 import pytest
 import torch
 
+import quack.cache
+
 from quack.cache import launcher
 from quack.cache.launcher import FastLauncher, layout, make_packer, parse_abi
 
@@ -170,8 +172,18 @@ class _DslFunction:
         self.calls += 1
 
 
-def _launch_twice(monkeypatch, module):
+def _use_module(monkeypatch, module):
+    """Make ``module`` what ``from . import _fastlaunch`` finds (None: an
+    ImportError): the package attribute, where an import set it, comes first."""
     monkeypatch.setitem(sys.modules, "quack.cache._fastlaunch", module)
+    monkeypatch.setattr(quack.cache, "_fastlaunch", module, raising=False)
+    if module is None:
+        monkeypatch.delattr(quack.cache, "_fastlaunch")
+    launcher._c_module.cache_clear()
+
+
+def _launch_twice(monkeypatch, module):
+    _use_module(monkeypatch, module)
     launcher._c_module.cache_clear()
     recorder = _Recorder()
     dsl = _DslFunction(recorder.entry)
@@ -203,12 +215,10 @@ def test_without_the_extension_ctypes_launches_after_one_notice(monkeypatch):
 
 
 def test_launcher_kind_names_the_launcher(fastlaunch, monkeypatch):
-    monkeypatch.setitem(sys.modules, "quack.cache._fastlaunch", fastlaunch)
-    launcher._c_module.cache_clear()
+    _use_module(monkeypatch, fastlaunch)
     try:
         assert launcher.launcher_kind() == "C"
-        monkeypatch.setitem(sys.modules, "quack.cache._fastlaunch", None)
-        launcher._c_module.cache_clear()
+        _use_module(monkeypatch, None)
         with pytest.warns(UserWarning, match="ctypes"):
             assert launcher.launcher_kind() == "ctypes"
     finally:
