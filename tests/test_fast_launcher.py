@@ -14,6 +14,7 @@ from __future__ import annotations
 import array
 import ctypes
 import importlib.util
+import os
 import shutil
 import subprocess
 import sys
@@ -44,11 +45,17 @@ ENTRY = ctypes.CFUNCTYPE(None, ctypes.POINTER(ctypes.c_void_p))
 
 
 @pytest.fixture(scope="module")
-def fastlaunch(tmp_path_factory):
+def built_by_setup_py(tmp_path_factory):
+    return _build(tmp_path_factory.mktemp("fastlaunch"))
+
+
+@pytest.fixture(scope="module")
+def fastlaunch(request):
+    """The package's own build where there is one (Bazel's, an in-place or pip build), else setup.py's."""
     try:
         from quack.cache import _fastlaunch
     except ImportError:
-        _fastlaunch = _build(tmp_path_factory.mktemp("fastlaunch"))
+        return request.getfixturevalue("built_by_setup_py")
     return _fastlaunch
 
 
@@ -67,6 +74,7 @@ def _build(out: Path):
     if not built:
         pytest.skip(f"the C launcher could not be built here (no C compiler?): {done.stderr[-500:]}")
     spec = importlib.util.spec_from_file_location("quack.cache._fastlaunch", built[0])
+    assert built[0].name == "_fastlaunch.abi3.so"  # the stable ABI: one build for every Python 3.11+
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -221,5 +229,20 @@ def test_launcher_kind_names_the_launcher(fastlaunch, monkeypatch):
         _use_module(monkeypatch, None)
         with pytest.warns(UserWarning, match="ctypes"):
             assert launcher.launcher_kind() == "ctypes"
+    finally:
+        launcher._c_module.cache_clear()
+
+
+def test_setup_py_builds_the_launcher(built_by_setup_py):
+    # What `pip install .` builds, whichever build the other tests use.
+    assert built_by_setup_py.Launcher.__name__ == "Launcher"
+
+
+@pytest.mark.skipif("TEST_SRCDIR" not in os.environ, reason="only under Bazel: its runfiles carry //quack's build")
+def test_bazel_builds_the_launcher_into_the_package():
+    # tools/quack_test.bzl gives GPU tests (and this one) //quack:cache/_fastlaunch.abi3.so.
+    launcher._c_module.cache_clear()
+    try:
+        assert launcher.launcher_kind() == "C"
     finally:
         launcher._c_module.cache_clear()

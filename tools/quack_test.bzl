@@ -113,7 +113,8 @@ def quack_test(
         srcs = [":" + launcher] + srcs,
         main = ":%s.py" % launcher,
         deps = sorted({d: None for d in ["//quack"] + deps}.keys()),
-        data = ["//:pytest_config"] + caches + data,
+        # A GPU test launches through the C launcher (without it, through ctypes).
+        data = ["//:pytest_config"] + caches + (["//quack:cache/_fastlaunch.abi3.so"] if gpu else []) + data,
         env = dict(
             {"QUACK_REQUIRE_PINNED_ENV": "1"},
             **({"QUACK_CACHE_STRICT": "1"} if gpu else {})

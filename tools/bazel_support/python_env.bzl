@@ -11,6 +11,7 @@ shared by every checkout; `QUACK_PYTHON_ENV_ROOT` moves it), and generates a rep
                    every action and test that uses it, and names no path: the key is the same
                    for every user, home folder and checkout)
   :env_info.json   the lock's sha256, the Python version and the environment's `pip freeze`
+  :python_headers  the interpreter's C headers (a link `include` to them), for the C launcher
   :toolchain       the Python toolchain to register
 
 The environment's folder name carries the lock's digest, so editing the lock re-runs the rule
@@ -48,11 +49,20 @@ exec "${{QUACK_PYTHON:-python3}}" "$@"
 """
 
 _BUILD = """\
+load("@rules_cc//cc:defs.bzl", "cc_library")
 load("@rules_python//python:defs.bzl", "py_runtime", "py_runtime_pair")
 
 package(default_visibility = ["//visibility:public"])
 
 exports_files(["env_info.json", "python3"])
+
+# The interpreter's C headers (the link `include`), for extensions built against the stable ABI
+# (//quack:fastlaunch): declared by content, so no install path enters an action's key.
+cc_library(
+    name = "python_headers",
+    hdrs = glob(["include/**/*.h"]),
+    includes = ["include"],
+)
 
 py_runtime(
     name = "py3_runtime",
@@ -100,6 +110,10 @@ def _python_env_impl(rctx):
         "packages": freeze.strip().splitlines(),
     }) + "\n")
     rctx.symlink(info["python"].rsplit("/bin/", 1)[0], "env")
+    headers = rctx.execute([info["python"], "-c", "import sysconfig; print(sysconfig.get_paths()['include'])"])
+    if headers.return_code != 0:
+        fail("python_env: the interpreter's include folder is unknown:\n%s" % headers.stderr)
+    rctx.symlink(headers.stdout.strip(), "include")
     rctx.file("python3", _SHIM.format(
         digest = info["lock_sha256"],
         version = info["python_version"],
