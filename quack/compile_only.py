@@ -36,8 +36,8 @@ from torch.utils._pytree import tree_leaves
 from quack.cache import _COMPILE_ONLY_DEPTH
 
 __all__ = [
-    "CompileOnlyFakeTensorMode", "compile_only_mode", "is_compile_only", "requires_grad_for_warming",
-    "warming_gradients",
+    "CompileOnlyFakeTensorMode", "compile_only_mode", "differentiable_outputs", "is_compile_only",
+    "requires_grad_for_warming", "warming_gradients",
 ]
 
 # Small on purpose: test code that really depends on the value should fail
@@ -116,7 +116,9 @@ _WANTS_GRAD = "_quack_wants_grad"
 _FLAG = torch.Tensor.requires_grad  # the descriptor: its __get__ and __set__ reach the mode
 # Calls whose outputs never require grad, whatever their inputs (besides ``*_like`` and
 # ``new_*`` factories, and outputs that are not floating point).
-_DETACHING = {"detach", "detach_"}
+_DETACHING = {"detach", "detach_", "tensor"}
+# Calls whose outputs pair one-to-one with their tensor inputs.
+_ELEMENTWISE_OUTPUTS = {"broadcast_tensors", "meshgrid", "atleast_1d", "atleast_2d", "atleast_3d"}
 
 
 class _GradientsWithoutGraph(TorchFunctionMode):
@@ -124,10 +126,12 @@ class _GradientsWithoutGraph(TorchFunctionMode):
     ``torch.no_grad()``, and its floating-point outputs are marked as requiring
     grad where autograd would have made them so: grad mode on *as the caller
     set it* (its ``torch.no_grad()`` and ``inference_mode`` blocks included)
-    and some tensor input requiring grad; an in-place call marks the tensor it
-    writes.  ``Tensor.requires_grad`` reads (and ``requires_grad_`` and the
-    setter write) the mark, so each op decides its plan
-    (``torch_interop.will_backward``) as on the GPU."""
+    and some data input requiring grad (not a ``*_as``/``to`` template, not an
+    ``out=`` buffer); an in-place call marks the tensor it writes and, for a
+    view, its base (which every view of it reads).  ``Tensor.requires_grad``
+    reads (and ``requires_grad_`` and the setter write) the mark, so each op
+    decides its plan (``torch_interop.will_backward``) as on the GPU; quack's
+    ops mark their own outputs (``differentiable_outputs``)."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -150,29 +154,63 @@ class _GradientsWithoutGraph(TorchFunctionMode):
             _mark(args[0], False)
         if not grad_on or name in _DETACHING or name.endswith("_like") or name.startswith("new_"):
             return out
-        if owner is torch.Tensor.data or not any(_requires_grad(t) for t in _tensors((args, kwargs))):
+        inputs = _data_inputs(name, args, kwargs)
+        if owner is torch.Tensor.data or not any(_requires_grad(t) for t in inputs):
+            return out
+        if name in _ELEMENTWISE_OUTPUTS and len(_tensors(out)) == len(inputs):
+            _mark_differentiable([t for t, i in zip(_tensors(out), inputs) if _requires_grad(i)])
             return out
         written = [args[0]] if name == "__setitem__" or (name.endswith("_") and not name.startswith("_")) else []
-        for t in _tensors(out) + written:
-            if t.is_floating_point() or t.is_complex():
-                setattr(t, _WANTS_GRAD, True)
+        _mark_differentiable(_tensors(out) + written + [t._base for t in written if t._base is not None])
         return out
 
 
+def _data_inputs(name: str, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """The tensors a call's result is computed from: for ``x.view_as(t)``,
+    ``x.to(t)`` and the like only ``x`` (``t`` gives a shape or a dtype);
+    never an ``out=`` buffer."""
+    if name.endswith("_as") or name in ("to", "type"):
+        return _tensors(args[:1])
+    return _tensors((args, {k: v for k, v in kwargs.items() if k != "out"}))
+
+
 def _requires_grad(t: torch.Tensor) -> bool:
-    return _FLAG.__get__(t) or getattr(t, _WANTS_GRAD, False)
+    """The flag or the mark; a view also follows its base (written in place after the view was taken)."""
+    if _FLAG.__get__(t) or getattr(t, _WANTS_GRAD, False):
+        return True
+    base = t._base
+    return base is not None and getattr(base, _WANTS_GRAD, False)
 
 
 def _mark(t: torch.Tensor, wanted: bool) -> torch.Tensor:
     """``t.requires_grad_(wanted)`` as a mark: the real flag is only ever cleared."""
+    if wanted and not (t.is_floating_point() or t.is_complex()):
+        raise RuntimeError("only Tensors of floating point and complex dtype can require gradients")
     setattr(t, _WANTS_GRAD, wanted)
     if not wanted and _FLAG.__get__(t):
         _FLAG.__set__(t, False)
     return t
 
 
+def _mark_differentiable(tensors: list[torch.Tensor]) -> None:
+    for t in tensors:
+        if t.is_floating_point() or t.is_complex():
+            setattr(t, _WANTS_GRAD, True)
+
+
 def _tensors(tree) -> list[torch.Tensor]:
     return [t for t in tree_leaves(tree) if isinstance(t, torch.Tensor)]
+
+
+def differentiable_outputs(outputs, backward: bool):
+    """An op's outputs as autograd would hand them on: in compile-only mode
+    an op whose call will run a backward (``backward``, its plan's) runs its
+    forward without a graph, so its floating-point outputs are marked as
+    requiring grad here; a later op of the same differentiated function
+    (``warming_gradients``) then decides its plan as on the GPU."""
+    if backward and is_compile_only():
+        _mark_differentiable(_tensors(outputs))
+    return outputs
 
 
 def requires_grad_for_warming(t: torch.Tensor) -> torch.Tensor:
@@ -196,6 +234,13 @@ def warming_gradients() -> Iterator[None]:
     inference one inside a ``torch.no_grad()`` block of the differentiated
     function.  Parameters (``requires_grad`` really set) reach only torch
     calls here, which run without a graph; a custom ``torch.autograd.Function``
-    applied to one would build a graph on fake CUDA tensors, which aborts."""
+    applied to one would build a graph on fake CUDA tensors, which aborts.
+
+    Known limits: the outputs of a custom ``torch.autograd.Function`` of the
+    caller's are not marked (its ``apply`` is not a torch call the mode sees;
+    quack's own ops mark theirs), so a quack op fed only by one warms its
+    inference plan; and calls autograd would refuse (``out=`` with an input
+    that requires grad, ``requires_grad_(False)`` on a computed tensor) are
+    let through."""
     with _GradientsWithoutGraph():
         yield

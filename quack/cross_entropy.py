@@ -38,7 +38,7 @@ from cutlass import Float32, Int32
 from quack import rowwise
 from quack import torch_interop as ti
 from quack.cache import compile_options, jit_cache
-from quack.compile_only import is_compile_only
+from quack.compile_only import differentiable_outputs, is_compile_only
 from quack.cross_entropy_kernels import CrossEntropyBackward, CrossEntropyForward
 from quack.cute_op import cute_op
 from quack.plan import Kernel, Plan, Signature, plan_for, signature
@@ -299,7 +299,8 @@ def cross_entropy(
         return _CrossEntropyFunction.apply(logits, target, ignore_index, reduction, plan)
     with torch.no_grad():
         loss, _ = cross_entropy_fwd(logits, target, ignore_index, plan)
-        return _reduce(loss, target, ignore_index, reduction, logits.dtype)[0]
+        loss = _reduce(loss, target, ignore_index, reduction, logits.dtype)[0]
+    return differentiable_outputs(loss, plan is not None and plan.signature.backward)
 
 
 def cross_entropy_ref(logits, target, ignore_index: int = -100, reduction: str = "mean"):

@@ -26,7 +26,7 @@ from cutlass import Float32, Int32
 from quack import rowwise
 from quack import torch_interop as ti
 from quack.cache import compile_options, jit_cache
-from quack.compile_only import is_compile_only
+from quack.compile_only import differentiable_outputs, is_compile_only
 from quack.cute_op import cute_op
 from quack.plan import Kernel, Plan, Signature, plan_for, signature
 from quack.layernorm_kernels import LayerNormForward
@@ -271,7 +271,8 @@ def layernorm(x, weight=None, bias=None, eps: float = 1e-5):
         return _LayerNormFunction.apply(x, weight, bias, eps, plan)
     with torch.no_grad():
         stats = plan is not None and plan.signature.backward
-        return layernorm_fwd(x, weight, bias, eps, store_stats=stats, plan=plan)[0]
+        y = layernorm_fwd(x, weight, bias, eps, store_stats=stats, plan=plan)[0]
+    return differentiable_outputs(y, stats)
 
 
 def layernorm_ref(x, weight=None, bias=None, eps: float = 1e-5):

@@ -25,7 +25,7 @@ from cutlass import Float32, Int32
 from quack import rowwise
 from quack import torch_interop as ti
 from quack.cache import compile_options, jit_cache
-from quack.compile_only import is_compile_only
+from quack.compile_only import differentiable_outputs, is_compile_only
 from quack.cute_op import cute_op
 from quack.plan import Kernel, Plan, Signature, plan_for, signature
 from quack.norm_backward import NormBackward, grid_clusters
@@ -255,9 +255,10 @@ def rmsnorm(x, weight=None, eps: float = 1e-6, residual=None):
         backward = False
     if backward:
         return _RMSNormFunction.apply(x, weight, residual, eps, plan)
+    store_rstd = plan is not None and plan.signature.backward
     with torch.no_grad():
-        y, h, _ = rmsnorm_fwd(x, weight, residual, eps, store_rstd=plan is not None and plan.signature.backward, plan=plan)
-    return (y, h) if residual is not None else y
+        y, h, _ = rmsnorm_fwd(x, weight, residual, eps, store_rstd=store_rstd, plan=plan)
+    return differentiable_outputs((y, h) if residual is not None else y, store_rstd)
 
 
 def rmsnorm_ref(x, weight=None, eps: float = 1e-6, residual=None):

@@ -24,7 +24,7 @@ import torch
 from quack import rowwise
 from quack import torch_interop as ti
 from quack.cache import compile_options, jit_cache
-from quack.compile_only import is_compile_only
+from quack.compile_only import differentiable_outputs, is_compile_only
 from quack.cute_op import cute_op
 from quack.plan import Kernel, Plan, Signature, plan_for, signature
 from quack.rowwise import backward_config, forward_config
@@ -174,7 +174,8 @@ def softmax(x: torch.Tensor) -> torch.Tensor:
     if backward:
         return _SoftmaxFunction.apply(x, plan)
     with torch.no_grad():
-        return softmax_fwd(x, plan)
+        y = softmax_fwd(x, plan)
+    return differentiable_outputs(y, plan is not None and plan.signature.backward)
 
 
 def softmax_ref(x: torch.Tensor) -> torch.Tensor:

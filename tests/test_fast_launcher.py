@@ -18,6 +18,8 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
+import time
 import warnings
 from pathlib import Path
 
@@ -246,3 +248,98 @@ def test_bazel_builds_the_launcher_into_the_package():
         assert launcher.launcher_kind() == "C"
     finally:
         launcher._c_module.cache_clear()
+
+
+_LOGGING_ENTRY = r"""
+#include <stdint.h>
+#include <string.h>
+/* Logs, per launch, the first argument's data pointer and the second's float. */
+static int64_t entries[200000][2];
+static long count;
+void entry(void **args) {
+    if (count < 200000) {
+        float value;
+        memcpy(&value, args[1], sizeof value);
+        entries[count][0] = *(int64_t *)args[0];
+        entries[count][1] = (int64_t)value;
+        count++;
+    }
+}
+long launches(void) { return count; }
+int64_t *log_of_launches(void) { return &entries[0][0]; }
+"""
+
+
+class _YieldingFloat:
+    """A scalar whose conversion lets another thread run (as a 0-dim tensor's does)."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def __float__(self):
+        time.sleep(0)
+        return self.value
+
+
+def test_threads_never_launch_with_each_others_arguments(fastlaunch, tmp_path):
+    # Each launch must see its own arguments, also where converting one lets
+    # another thread run (the C launcher converts everything, then writes and
+    # launches with no Python code in between).
+    source = tmp_path / "entry.c"
+    source.write_text(_LOGGING_ENTRY)
+    done = subprocess.run(["cc", "-shared", "-fPIC", "-O1", "-o", str(tmp_path / "entry.so"), str(source)],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"no C compiler for the logging entry point: {done.stderr[-300:]}")
+    lib = ctypes.CDLL(str(tmp_path / "entry.so"))
+    lib.launches.restype = ctypes.c_long
+    lib.log_of_launches.restype = ctypes.POINTER(ctypes.c_int64)
+    abi = parse_abi("""
+        typedef struct { void *data; } p_Tensor_mX_t;
+        static inline int32_t cute_dsl_p_wrapper(p_Kernel_Module_t *module, p_Tensor_mX_t *mX, float eps) {
+    """, "p")
+    placed, starts, words = layout(abi, [True, True])
+    buf = array.array("q", [0] * words)
+    packed = (ctypes.c_void_p * len(starts))(*[buf.buffer_info()[0] + 8 * s for s in starts])
+    c = fastlaunch.Launcher(
+        ctypes.cast(lib.entry, ctypes.c_void_p).value, packed, buf, None, 2,
+        [(i, what, launcher._CTYPE_CODES[ctype], dim, offset) for i, what, ctype, dim, offset in placed],
+        torch.Tensor.__dlpack_c_exchange_api__, torch.Tensor,
+    )
+    tensors = {1: torch.zeros(4), 2: torch.zeros(4)}
+    calls = 20_000
+
+    def launch(value):
+        for _ in range(calls):
+            c(tensors[value], _YieldingFloat(float(value)))
+
+    threads = [threading.Thread(target=launch, args=(value,)) for value in tensors]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    log = lib.log_of_launches()
+    pairs = [(log[2 * i], log[2 * i + 1]) for i in range(lib.launches())]
+    assert len(pairs) == 2 * calls
+    expected = {tensors[value].data_ptr(): value for value in tensors}
+    mixed = sum(1 for data, value in pairs if expected[data] != value)
+    assert mixed == 0, f"{mixed} of {len(pairs)} launches had another thread's arguments"
+
+
+def test_both_packers_refuse_what_does_not_fit(fastlaunch):
+    # A 32-bit size or scalar past its range, or a finite float past float32's,
+    # is an error in either launcher, never a wrapped value (inf passes).
+    recorder = _Recorder()
+    c, buf, packed = _c_launcher(fastlaunch, recorder.address)
+    pack, _, words = make_packer(ABI, PRESENT)
+    python_buf = array.array("q", [0] * words)
+    args = _args()
+    big_rows = torch.zeros(1).expand(2**31, 64)  # no storage beyond one element
+    for bad in ([big_rows] + args[1:], args[:5] + [2**31] + args[6:], args[:4] + [1e39] + args[5:]):
+        with pytest.raises(OverflowError):
+            c(*bad)
+        with pytest.raises(OverflowError):
+            pack(python_buf, *bad)
+    c(*args[:4] + [float("inf")] + args[5:])
+    pack(python_buf, *args[:4] + [float("inf")] + args[5:])
+    assert len(recorder.firsts) == 1

@@ -147,6 +147,24 @@ def _written_in_place(x, weight):
     return quack.layernorm(y, weight)
 
 
+def _written_through_view(x, weight):
+    y = torch.zeros_like(x)
+    y.narrow(0, 0, 4).add_(x.narrow(0, 0, 4))
+    return quack.layernorm(y, weight)
+
+
+def _view_taken_before_write(x, weight):
+    y = torch.zeros_like(x)
+    view = y.view(8, 4096)
+    y.add_(x)
+    return quack.layernorm(view, weight)
+
+
+def _broadcast_partner(x, weight):
+    _, ones = torch.broadcast_tensors(x, torch.ones(8, 4096, device=x.device, dtype=x.dtype))
+    return quack.layernorm(ones, weight)
+
+
 # (function differentiated with respect to x alone, whether its layernorm call runs a backward on the GPU)
 _GRAD_MODE_CALLS = {
     "plain": (lambda x, weight: quack.layernorm(x, weight), True),
@@ -157,6 +175,16 @@ _GRAD_MODE_CALLS = {
     "detached": (lambda x, weight: quack.layernorm(x.detach(), weight), False),
     "unflagged_inside": (lambda x, weight: quack.layernorm(x.requires_grad_(False), weight), False),
     "factory_like": (lambda x, weight: quack.layernorm(torch.zeros_like(x) + 1, weight), False),
+    "written_through_view": (_written_through_view, True),
+    "view_taken_before_write": (_view_taken_before_write, True),
+    "type_as_template": (lambda x, weight: quack.layernorm(torch.ones(8, 4096, device=x.device).type_as(x), weight),
+                         False),
+    "broadcast_partner": (_broadcast_partner, False),
+    # A quack op's output carries the gradient on (its own forward runs without a graph).
+    "after_layernorm": (lambda x, weight: quack.layernorm(quack.layernorm(x, weight), weight), True),
+    "after_rmsnorm": (lambda x, weight: quack.layernorm(quack.rmsnorm(x, weight) * 1, weight), True),
+    "after_softmax": (lambda x, weight: quack.layernorm(quack.softmax(x), weight), True),
+    "after_inference_rmsnorm": (lambda x, weight: quack.layernorm(quack.rmsnorm(x.detach()), weight), False),
     "no_grad_inside": (_in_no_grad, False),
     "inference_mode_inside": (_in_inference_mode, False),
     "enable_grad_inside_no_grad": (_back_on, True),
@@ -178,4 +206,28 @@ def test_compile_only_sees_grad_mode_inside_a_differentiated_function(name, monk
         x = torch.randn(8, 4096, device="cuda", dtype=torch.bfloat16)
         weight = torch.randn(4096, device="cuda", dtype=torch.float32)
         matrix.warm(fn, {"x": x, "weight": weight}, ["x"], no_grad=False)
-    assert [sig.backward for sig in planned] == [backward]
+    # The last layernorm call is the one each function is about.
+    assert planned[-1].backward == backward
+
+
+def test_warming_detaches_what_is_not_differentiated(monkeypatch, gpu_stand_in):
+    # As the GPU run's evaluate(): a Parameter not differentiated reaches the
+    # op without its flag, and the call leaves no mark on the caller's tensors.
+    layernorm = importlib.import_module("quack.layernorm")
+    real_plan_for = quack.plan.plan_for
+    planned = []
+    monkeypatch.setattr(layernorm, "plan_for", lambda sig: planned.append(sig) or real_plan_for(sig))
+    monkeypatch.setattr(quack.plan.Kernel, "load", lambda kernel: lambda *args: None)
+
+    def written_then_normed(x, weight):
+        x.add_(1)
+        return quack.layernorm(x, weight)
+
+    with compile_only_mode():
+        x = torch.randn(8, 4096, device="cuda", dtype=torch.bfloat16)
+        weight = torch.nn.Parameter(torch.randn(4096, device="cuda", dtype=torch.float32))
+        matrix.warm(written_then_normed, {"x": x, "weight": weight}, [], no_grad=False)
+        matrix.warm(written_then_normed, {"x": x, "weight": weight}, ["weight"], no_grad=False)
+        matrix.warm(written_then_normed, {"x": x, "weight": weight}, [], no_grad=False)
+    assert [sig.backward for sig in planned] == [False, True, False]
+    assert not hasattr(x, "_quack_wants_grad") and not hasattr(weight, "_quack_wants_grad")

@@ -15,6 +15,8 @@
 #define Py_LIMITED_API 0x030B0000
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <float.h>
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 #include <time.h>
@@ -91,48 +93,70 @@ static int write_int(char *at, char ctype, int64_t v) {
     return -1;
 }
 
-static int write_value(char *at, char ctype, PyObject *obj) {
-    if (ctype == F32 || ctype == F64) {
-        double d = PyFloat_AsDouble(obj);
-        if (d == -1.0 && PyErr_Occurred()) return -1;
-        if (ctype == F32) *(float *)at = (float)d; else *(double *)at = d;
-        return 0;
+/* A scalar or stream argument, converted before anything is written. */
+typedef union {
+    double d;
+    long long i;
+    void *p;
+} Scalar;
+
+#define MAX_FIELDS 256
+
+/* Step 1: every conversion that runs Python code (__float__, __index__ may
+ * run, and may release the GIL). */
+static int convert(Launcher *self, PyObject *const *args, Scalar *values) {
+    for (Py_ssize_t i = 0; i < self->nfields; i++) {
+        const Field *f = &self->fields[i];
+        PyObject *obj = args[f->arg];
+        if (f->what == STREAM) {
+            values[i].p = PyLong_AsVoidPtr(obj);
+            if (values[i].p == NULL && PyErr_Occurred()) return -1;
+        } else if (f->what == VALUE && (f->ctype == F32 || f->ctype == F64)) {
+            values[i].d = PyFloat_AsDouble(obj);
+            if (values[i].d == -1.0 && PyErr_Occurred()) return -1;
+            if (f->ctype == F32 && isfinite(values[i].d) && fabs(values[i].d) > FLT_MAX) {
+                PyErr_SetString(PyExc_OverflowError, "quack launcher: float too large for a 32-bit argument");
+                return -1;
+            }
+        } else if (f->what == VALUE) {
+            values[i].i = PyLong_AsLongLong(obj);
+            if (values[i].i == -1 && PyErr_Occurred()) return -1;
+        }
     }
-    long long v = PyLong_AsLongLong(obj);
-    if (v == -1 && PyErr_Occurred()) return -1;
-    return write_int(at, ctype, v);
+    return 0;
 }
 
 /* The tensor's DLTensor view, checked to be a torch.Tensor (what the table serves). */
 static int view(Launcher *self, PyObject *obj, Py_ssize_t index, DLTensor *out) {
-    int is_tensor = PyObject_IsInstance(obj, self->tensor_type);
-    if (is_tensor < 0) return -1;
-    if (!is_tensor) {
+    if (!PyObject_TypeCheck(obj, (PyTypeObject *)self->tensor_type)) {
         PyErr_Format(PyExc_TypeError, "quack launcher: argument %zd must be a torch.Tensor", index);
         return -1;
     }
     return self->api->dltensor_from_py_object_no_sync((void *)obj, out);
 }
 
-static int pack(Launcher *self, PyObject *const *args) {
+/* Step 2: the buffer's writes.  No Python code runs from here to the launch,
+ * so the GIL stays held and no other thread writes the shared buffer between
+ * this call's writes and its launch. */
+static int write_fields(Launcher *self, PyObject *const *args, const Scalar *values) {
     DLTensor t;
     Py_ssize_t viewed = -1; /* the argument t describes */
     for (Py_ssize_t i = 0; i < self->nfields; i++) {
         const Field *f = &self->fields[i];
-        PyObject *obj = args[f->arg];
         char *at = self->buffer + f->offset;
-        if (f->what == VALUE) {
-            if (write_value(at, f->ctype, obj) < 0) return -1;
+        if (f->what == STREAM) {
+            *(void **)at = values[i].p;
             continue;
         }
-        if (f->what == STREAM) {
-            void *stream = PyLong_AsVoidPtr(obj);
-            if (stream == NULL && PyErr_Occurred()) return -1;
-            *(void **)at = stream;
+        if (f->what == VALUE) {
+            int ok = f->ctype == F32 ? (*(float *)at = (float)values[i].d, 0)
+                   : f->ctype == F64 ? (*(double *)at = values[i].d, 0)
+                                     : write_int(at, f->ctype, values[i].i);
+            if (ok < 0) return -1;
             continue;
         }
         if (viewed != f->arg) {
-            if (view(self, obj, f->arg, &t) < 0) return -1;
+            if (view(self, args[f->arg], f->arg, &t) < 0) return -1;
             viewed = f->arg;
         }
         if (f->what == DATA) {
@@ -163,7 +187,8 @@ static PyObject *launcher_call(PyObject *op, PyObject *args, PyObject *kwargs) {
     }
     PyObject *items[64];
     for (Py_ssize_t i = 0; i < n; i++) items[i] = PyTuple_GetItem(args, i); /* borrowed */
-    if (pack(self, items) < 0) return NULL;
+    Scalar values[MAX_FIELDS];
+    if (convert(self, items, values) < 0 || write_fields(self, items, values) < 0) return NULL;
     self->entry(self->packed);
     if (self->result != NULL && *self->result != 0) {
         PyErr_Format(PyExc_RuntimeError, "kernel launch failed with CUDA error %d", *self->result);
@@ -205,6 +230,11 @@ static Field *read_fields(PyObject *fields, Py_ssize_t nargs, Py_ssize_t buffer_
     PyObject *seq = PySequence_Fast(fields, "fields must be a sequence");
     if (seq == NULL) return NULL;
     *count = PySequence_Size(seq);
+    if (*count > MAX_FIELDS) {
+        Py_DECREF(seq);
+        PyErr_Format(PyExc_ValueError, "quack launcher: at most %d fields", MAX_FIELDS);
+        return NULL;
+    }
     Field *table = PyMem_Calloc(*count ? *count : 1, sizeof(Field));
     if (table == NULL) {
         Py_DECREF(seq);
@@ -263,6 +293,10 @@ static PyObject *launcher_new(PyTypeObject *type, PyObject *args, PyObject *kwar
     }
     if (nargs < 0 || nargs > 64) {
         PyErr_SetString(PyExc_ValueError, "quack launcher: at most 64 arguments");
+        return NULL;
+    }
+    if (!PyType_Check(tensor_type)) {
+        PyErr_SetString(PyExc_TypeError, "quack launcher: tensor_type must be a type (torch.Tensor)");
         return NULL;
     }
     const DLPackExchangeAPI *api = PyCapsule_GetPointer(capsule, "dlpack_exchange_api");

@@ -127,6 +127,8 @@ def _word_value(parts: list[tuple[str, str, int]]) -> str:
             expr = f"_f64_bits({expr})"
         elif ctype == "bool":
             expr = f"int({expr})"
+        elif ctype == "int32_t":
+            expr = f"_i32({expr})"
         if len(parts) > 1:
             expr = f"(({expr}) & 0xFFFFFFFF) << {8 * byte}"
         terms.append(expr)
@@ -150,7 +152,7 @@ def make_packer(abi: list[list], present: list[bool]):
     lines = [f"    buf[{w}] = {_word_value(by_word[w])}" for w in sorted(by_word)]
     params = ", ".join(f"a{i}" for i in range(len(present)))
     source = f"def pack(buf, {params}):\n" + ("\n".join(lines) or "    pass") + "\n"
-    namespace = {"_f32_bits": _f32_bits, "_f64_bits": _f64_bits}
+    namespace = {"_f32_bits": _f32_bits, "_f64_bits": _f64_bits, "_i32": _i32}
     exec(compile(source, "<quack launcher pack>", "exec"), namespace)
     return namespace["pack"], starts, words
 
@@ -159,6 +161,13 @@ def make_packer(abi: list[list], present: list[bool]):
 def _f32_bits(value) -> int:
     """Bit pattern of a float32 scalar (cached: an eps changes rarely)."""
     return struct.unpack("<I", struct.pack("<f", float(value)))[0]
+
+
+def _i32(value: int) -> int:
+    """A 32-bit field's value, refused (as the C launcher does) where it does not fit."""
+    if not -(2**31) <= value < 2**31:
+        raise OverflowError(f"quack launcher: {value} does not fit a 32-bit argument")
+    return value
 
 
 def _f64_bits(value) -> int:
@@ -186,13 +195,16 @@ class FastLauncher:
         self._result = None
         self._nargs = 0
         # The buffer is shared state: one launch packs and calls at a time
-        # (the C launcher holds the GIL from packing to launch).
+        # (the C launcher converts every argument first, then writes and
+        # launches with no Python code in between: the GIL is held throughout).
         self._lock = threading.Lock()
 
     def __call__(self, *args: Any) -> None:
         if self._c is not None:
             return self._c(*args)
         with self._lock:
+            if self._c is not None:  # set up by the first call while this one waited
+                return self._c(*args)
             if self._packed is None:
                 self._first_call(args)
                 return

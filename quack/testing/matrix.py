@@ -193,10 +193,11 @@ def requires_grad(mode: str, name: str, params: Sequence[str]) -> bool:
 
 
 def _with_grad_flags(inputs: dict, grads: Sequence[str]) -> dict:
-    return {
-        k: v.detach().requires_grad_(k in grads) if isinstance(v, torch.Tensor) and v.is_floating_point() else v
-        for k, v in inputs.items()
-    }
+    return {k: v.detach().requires_grad_(k in grads) if _floating(v) else v for k, v in inputs.items()}
+
+
+def _floating(v) -> bool:
+    return isinstance(v, torch.Tensor) and v.is_floating_point()
 
 
 def evaluate(fn, inputs: dict, grads: Sequence[str], cotangents, no_grad: bool = False):
@@ -228,7 +229,13 @@ def warm(fn, inputs: dict, grads: Sequence[str], no_grad: bool) -> None:
         with torch.no_grad():
             fn(**_with_grad_flags(inputs, grads))
         return
-    marked = {k: requires_grad_for_warming(v) if k in grads else v for k, v in inputs.items()}
+    # As evaluate() (``_with_grad_flags``): inputs not differentiated are
+    # detached, so a Parameter's flag does not reach the op, and nothing the
+    # call marks stays on the caller's tensor.
+    marked = {
+        k: requires_grad_for_warming(v) if k in grads else v.detach() if _floating(v) else v
+        for k, v in inputs.items()
+    }
     with warming_gradients():
         fn(**marked)
 
