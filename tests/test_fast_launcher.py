@@ -12,6 +12,7 @@ built in place, the fixture builds it with the project's own setup.py (what
 from __future__ import annotations
 
 import array
+import collections
 import ctypes
 import importlib.util
 import os
@@ -253,8 +254,8 @@ def test_bazel_builds_the_launcher_into_the_package():
 _LOGGING_ENTRY = r"""
 #include <stdint.h>
 #include <string.h>
-/* Logs, per launch, the first argument's data pointer and the second's float. */
-static int64_t entries[200000][2];
+/* Logs, per launch, the data pointers of the first and third arguments and the second's float. */
+static int64_t entries[200000][3];
 static long count;
 void entry(void **args) {
     if (count < 200000) {
@@ -262,6 +263,7 @@ void entry(void **args) {
         memcpy(&value, args[1], sizeof value);
         entries[count][0] = *(int64_t *)args[0];
         entries[count][1] = (int64_t)value;
+        entries[count][2] = *(int64_t *)args[2];
         count++;
     }
 }
@@ -281,9 +283,29 @@ class _YieldingFloat:
         return self.value
 
 
-def test_threads_never_launch_with_each_others_arguments(fastlaunch, tmp_path):
-    # Each launch must see its own arguments, also where converting one lets
-    # another thread run (the C launcher converts everything, then writes and
+class _YieldingSizes(torch.Tensor):
+    """A tensor subclass whose sizes are answered in Python (letting another
+    thread run), as a wrapper subclass's are; its data pointer is 0."""
+
+    @staticmethod
+    def __new__(cls, inner):
+        wrapper = torch.Tensor._make_wrapper_subclass(
+            cls, inner.shape, strides=inner.stride(), dtype=inner.dtype, dispatch_sizes_strides_policy="sizes"
+        )
+        wrapper.inner = inner
+        return wrapper
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        time.sleep(0)
+        unwrap = [a.inner if isinstance(a, _YieldingSizes) else a for a in args]
+        return func(*unwrap, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("yielding", ["scalar", "tensor_sizes"])
+def test_threads_never_launch_with_each_others_arguments(fastlaunch, tmp_path, yielding):
+    # Each launch must see its own arguments, also where reading one lets
+    # another thread run (the C launcher reads everything, then writes and
     # launches with no Python code in between).
     source = tmp_path / "entry.c"
     source.write_text(_LOGGING_ENTRY)
@@ -296,34 +318,39 @@ def test_threads_never_launch_with_each_others_arguments(fastlaunch, tmp_path):
     lib.log_of_launches.restype = ctypes.POINTER(ctypes.c_int64)
     abi = parse_abi("""
         typedef struct { void *data; } p_Tensor_mX_t;
-        static inline int32_t cute_dsl_p_wrapper(p_Kernel_Module_t *module, p_Tensor_mX_t *mX, float eps) {
+        static inline int32_t cute_dsl_p_wrapper(p_Kernel_Module_t *module, p_Tensor_mX_t *mX, float eps,
+            p_Tensor_mX_t *mR) {
     """, "p")
-    placed, starts, words = layout(abi, [True, True])
+    placed, starts, words = layout(abi, [True, True, True])
     buf = array.array("q", [0] * words)
     packed = (ctypes.c_void_p * len(starts))(*[buf.buffer_info()[0] + 8 * s for s in starts])
     c = fastlaunch.Launcher(
-        ctypes.cast(lib.entry, ctypes.c_void_p).value, packed, buf, None, 2,
+        ctypes.cast(lib.entry, ctypes.c_void_p).value, packed, buf, None, 3,
         [(i, what, launcher._CTYPE_CODES[ctype], dim, offset) for i, what, ctype, dim, offset in placed],
         torch.Tensor.__dlpack_c_exchange_api__, torch.Tensor,
     )
-    tensors = {1: torch.zeros(4), 2: torch.zeros(4)}
+    # Thread v launches (x[v], v, r[v]), where reading its scalar, or its last
+    # tensor (read after the others: a launcher that stores as it reads would
+    # have stored them already), lets the other thread run.
+    x = {1: torch.zeros(4), 2: torch.zeros(4)}
+    r = {v: _YieldingSizes(torch.zeros(4)) if yielding == "tensor_sizes" else torch.zeros(4) for v in x}
     calls = 20_000
 
     def launch(value):
+        scalar = _YieldingFloat(float(value)) if yielding == "scalar" else float(value)
         for _ in range(calls):
-            c(tensors[value], _YieldingFloat(float(value)))
+            c(x[value], scalar, r[value])
 
-    threads = [threading.Thread(target=launch, args=(value,)) for value in tensors]
+    threads = [threading.Thread(target=launch, args=(value,)) for value in x]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
     log = lib.log_of_launches()
-    pairs = [(log[2 * i], log[2 * i + 1]) for i in range(lib.launches())]
-    assert len(pairs) == 2 * calls
-    expected = {tensors[value].data_ptr(): value for value in tensors}
-    mixed = sum(1 for data, value in pairs if expected[data] != value)
-    assert mixed == 0, f"{mixed} of {len(pairs)} launches had another thread's arguments"
+    launched = collections.Counter(tuple(log[3 * i + k] for k in range(3)) for i in range(lib.launches()))
+    # A wrapper subclass has no storage: the launcher reads its data pointer as 0.
+    expected = {(x[v].data_ptr(), v, 0 if isinstance(r[v], _YieldingSizes) else r[v].data_ptr()): calls for v in x}
+    assert launched == expected, f"launches by arguments: {dict(launched)}, expected {expected}"
 
 
 def test_both_packers_refuse_what_does_not_fit(fastlaunch):
@@ -340,6 +367,21 @@ def test_both_packers_refuse_what_does_not_fit(fastlaunch):
             c(*bad)
         with pytest.raises(OverflowError):
             pack(python_buf, *bad)
-    c(*args[:4] + [float("inf")] + args[5:])
-    pack(python_buf, *args[:4] + [float("inf")] + args[5:])
-    assert len(recorder.firsts) == 1
+    for fits in (float("inf"), 3.4028235e38, -3.4028235e38):  # the last two round to float32's largest
+        c(*args[:4] + [fits] + args[5:])
+        pack(python_buf, *args[:4] + [fits] + args[5:])
+        offset = layout(ABI, PRESENT)[0][7][4]
+        assert buf.tobytes()[offset:offset + 4] == python_buf.tobytes()[offset:offset + 4]
+    assert len(recorder.firsts) == 3
+
+
+def test_a_layout_the_c_launcher_refuses_launches_through_ctypes(fastlaunch, monkeypatch):
+    # Say a kernel had more fields than the C launcher takes: it still launches.
+    class Refusing:
+        @staticmethod
+        def Launcher(*args):
+            raise ValueError("quack launcher: at most 256 fields")
+
+    with pytest.warns(UserWarning, match="refused its layout"):
+        fast, dsl, recorder, args = _launch_twice(monkeypatch, Refusing)
+    assert fast._c is None and dsl.calls == 1 and len(recorder.firsts) == 1

@@ -75,25 +75,7 @@ typedef struct {
     Field *fields;
 } Launcher;
 
-static int write_int(char *at, char ctype, int64_t v) {
-    switch (ctype) {
-    case I32:
-        if (v < INT32_MIN || v > INT32_MAX) {
-            PyErr_Format(PyExc_OverflowError, "quack launcher: %lld does not fit a 32-bit argument", (long long)v);
-            return -1;
-        }
-        *(int32_t *)at = (int32_t)v;
-        return 0;
-    case I64: *(int64_t *)at = v; return 0;
-    case BOOL: *(uint8_t *)at = v != 0; return 0;
-    case F32: *(float *)at = (float)v; return 0;
-    case F64: *(double *)at = (double)v; return 0;
-    }
-    PyErr_SetString(PyExc_SystemError, "quack launcher: unknown field type");
-    return -1;
-}
-
-/* A scalar or stream argument, converted before anything is written. */
+/* One field's value, read before anything is written. */
 typedef union {
     double d;
     long long i;
@@ -102,28 +84,12 @@ typedef union {
 
 #define MAX_FIELDS 256
 
-/* Step 1: every conversion that runs Python code (__float__, __index__ may
- * run, and may release the GIL). */
-static int convert(Launcher *self, PyObject *const *args, Scalar *values) {
-    for (Py_ssize_t i = 0; i < self->nfields; i++) {
-        const Field *f = &self->fields[i];
-        PyObject *obj = args[f->arg];
-        if (f->what == STREAM) {
-            values[i].p = PyLong_AsVoidPtr(obj);
-            if (values[i].p == NULL && PyErr_Occurred()) return -1;
-        } else if (f->what == VALUE && (f->ctype == F32 || f->ctype == F64)) {
-            values[i].d = PyFloat_AsDouble(obj);
-            if (values[i].d == -1.0 && PyErr_Occurred()) return -1;
-            if (f->ctype == F32 && isfinite(values[i].d) && fabs(values[i].d) > FLT_MAX) {
-                PyErr_SetString(PyExc_OverflowError, "quack launcher: float too large for a 32-bit argument");
-                return -1;
-            }
-        } else if (f->what == VALUE) {
-            values[i].i = PyLong_AsLongLong(obj);
-            if (values[i].i == -1 && PyErr_Occurred()) return -1;
-        }
+static int fits(char ctype, long long v) {
+    if (ctype == I32 && (v < INT32_MIN || v > INT32_MAX)) {
+        PyErr_Format(PyExc_OverflowError, "quack launcher: %lld does not fit a 32-bit argument", v);
+        return 0;
     }
-    return 0;
+    return 1;
 }
 
 /* The tensor's DLTensor view, checked to be a torch.Tensor (what the table serves). */
@@ -135,43 +101,70 @@ static int view(Launcher *self, PyObject *obj, Py_ssize_t index, DLTensor *out) 
     return self->api->dltensor_from_py_object_no_sync((void *)obj, out);
 }
 
-/* Step 2: the buffer's writes.  No Python code runs from here to the launch,
- * so the GIL stays held and no other thread writes the shared buffer between
- * this call's writes and its launch. */
-static int write_fields(Launcher *self, PyObject *const *args, const Scalar *values) {
+/* Step 1: every field's value, with every check.  Python code may run here
+ * (__float__ and __index__ of scalars, __torch_dispatch__ of a tensor
+ * subclass's sizes) and let another thread run. */
+static int read_values(Launcher *self, PyObject *const *args, Scalar *values) {
     DLTensor t;
     Py_ssize_t viewed = -1; /* the argument t describes */
     for (Py_ssize_t i = 0; i < self->nfields; i++) {
         const Field *f = &self->fields[i];
-        char *at = self->buffer + f->offset;
+        PyObject *obj = args[f->arg];
         if (f->what == STREAM) {
-            *(void **)at = values[i].p;
-            continue;
-        }
-        if (f->what == VALUE) {
-            int ok = f->ctype == F32 ? (*(float *)at = (float)values[i].d, 0)
-                   : f->ctype == F64 ? (*(double *)at = values[i].d, 0)
-                                     : write_int(at, f->ctype, values[i].i);
-            if (ok < 0) return -1;
-            continue;
-        }
-        if (viewed != f->arg) {
-            if (view(self, args[f->arg], f->arg, &t) < 0) return -1;
-            viewed = f->arg;
-        }
-        if (f->what == DATA) {
-            *(void **)at = (char *)t.data + t.byte_offset;
-        } else if (f->dim >= t.ndim) {
-            PyErr_Format(PyExc_ValueError, "quack launcher: argument %d has %d dimensions, the kernel reads dimension %d",
-                         f->arg, t.ndim, f->dim);
-            return -1;
-        } else if (f->what == SIZE) {
-            if (write_int(at, f->ctype, t.shape[f->dim]) < 0) return -1;
+            values[i].p = PyLong_AsVoidPtr(obj);
+            if (values[i].p == NULL && PyErr_Occurred()) return -1;
+        } else if (f->what == VALUE && (f->ctype == F32 || f->ctype == F64)) {
+            values[i].d = PyFloat_AsDouble(obj);
+            if (values[i].d == -1.0 && PyErr_Occurred()) return -1;
+            /* As struct.pack("<f") decides: only a finite value that rounds to infinity overflows. */
+            if (f->ctype == F32 && isinf((float)values[i].d) && !isinf(values[i].d)) {
+                PyErr_SetString(PyExc_OverflowError, "quack launcher: float too large for a 32-bit argument");
+                return -1;
+            }
+        } else if (f->what == VALUE) {
+            values[i].i = PyLong_AsLongLong(obj);
+            if ((values[i].i == -1 && PyErr_Occurred()) || !fits(f->ctype, values[i].i)) return -1;
         } else {
-            if (write_int(at, f->ctype, t.strides[f->dim]) < 0) return -1;
+            if (viewed != f->arg) {
+                if (view(self, obj, f->arg, &t) < 0) return -1;
+                viewed = f->arg;
+            }
+            if (f->what == DATA) {
+                values[i].p = (char *)t.data + t.byte_offset;
+                continue;
+            }
+            if (f->dim >= t.ndim) {
+                PyErr_Format(PyExc_ValueError,
+                             "quack launcher: argument %d has %d dimensions, the kernel reads dimension %d", f->arg,
+                             t.ndim, f->dim);
+                return -1;
+            }
+            values[i].i = f->what == SIZE ? t.shape[f->dim] : t.strides[f->dim];
+            if (!fits(f->ctype, values[i].i)) return -1;
         }
     }
     return 0;
+}
+
+/* Step 2: plain stores into the shared buffer.  No Python code runs from
+ * here to the launch, so the GIL stays held and no other thread writes the
+ * buffer between this call's stores and its launch. */
+static void write_fields(Launcher *self, const Scalar *values) {
+    for (Py_ssize_t i = 0; i < self->nfields; i++) {
+        const Field *f = &self->fields[i];
+        char *at = self->buffer + f->offset;
+        if (f->what == DATA || f->what == STREAM) {
+            *(void **)at = values[i].p;
+            continue;
+        }
+        switch (f->ctype) {
+        case F32: *(float *)at = (float)values[i].d; break;
+        case F64: *(double *)at = values[i].d; break;
+        case I32: *(int32_t *)at = (int32_t)values[i].i; break;
+        case I64: *(int64_t *)at = (int64_t)values[i].i; break;
+        case BOOL: *(uint8_t *)at = values[i].i != 0; break;
+        }
+    }
 }
 
 static PyObject *launcher_call(PyObject *op, PyObject *args, PyObject *kwargs) {
@@ -188,7 +181,8 @@ static PyObject *launcher_call(PyObject *op, PyObject *args, PyObject *kwargs) {
     PyObject *items[64];
     for (Py_ssize_t i = 0; i < n; i++) items[i] = PyTuple_GetItem(args, i); /* borrowed */
     Scalar values[MAX_FIELDS];
-    if (convert(self, items, values) < 0 || write_fields(self, items, values) < 0) return NULL;
+    if (read_values(self, items, values) < 0) return NULL;
+    write_fields(self, values);
     self->entry(self->packed);
     if (self->result != NULL && *self->result != 0) {
         PyErr_Format(PyExc_RuntimeError, "kernel launch failed with CUDA error %d", *self->result);
@@ -226,7 +220,7 @@ static int field_size(char what, char ctype) {
 }
 
 /* The fields as a table, each checked against the argument count and the buffer's size. */
-static Field *read_fields(PyObject *fields, Py_ssize_t nargs, Py_ssize_t buffer_len, Py_ssize_t *count) {
+static Field *field_table(PyObject *fields, Py_ssize_t nargs, Py_ssize_t buffer_len, Py_ssize_t *count) {
     PyObject *seq = PySequence_Fast(fields, "fields must be a sequence");
     if (seq == NULL) return NULL;
     *count = PySequence_Size(seq);
@@ -316,7 +310,7 @@ static PyObject *launcher_new(PyTypeObject *type, PyObject *args, PyObject *kwar
         PyErr_SetString(PyExc_ValueError, "quack launcher: the pointer array or the status is too small");
         goto fail;
     }
-    self->fields = read_fields(fields, nargs, self->buffer_view.len, &self->nfields);
+    self->fields = field_table(fields, nargs, self->buffer_view.len, &self->nfields);
     if (self->fields == NULL) goto fail;
     self->entry = (void (*)(void **))(uintptr_t)entry;
     self->packed = self->packed_view.buf;

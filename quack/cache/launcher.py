@@ -251,10 +251,16 @@ def _c_launcher(capi: Any, result: Any, packed: Any, buf: array.array, placed: l
     module, api, tensor = _c_module()
     if module is None:
         return None
-    return module.Launcher(
-        ctypes.cast(capi, ctypes.c_void_p).value, packed, buf, result, nargs,
-        [(index, what, _CTYPE_CODES[ctype], dim, offset) for index, what, ctype, dim, offset in placed], api, tensor,
-    )
+    try:
+        return module.Launcher(
+            ctypes.cast(capi, ctypes.c_void_p).value, packed, buf, result, nargs,
+            [(index, what, _CTYPE_CODES[ctype], dim, offset) for index, what, ctype, dim, offset in placed], api,
+            tensor,
+        )
+    except (ValueError, TypeError, RuntimeError) as err:  # a layout it does not take: ctypes launches this one
+        warnings.warn(f"quack: a kernel launches through ctypes: the C launcher refused its layout ({err})",
+                      stacklevel=4)
+        return None
 
 
 @functools.lru_cache(maxsize=None)
