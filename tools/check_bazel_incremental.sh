@@ -40,10 +40,12 @@ count_runs "$work/exec$step.json" QuackWarmCache | grep -q ":warm_cache_$family$
 printf '\n# check_bazel_incremental %s\n' "$RANDOM$RANDOM" >>"$c/quack/$shared"
 build_and_count "$n" "edit shared module quack/$shared"
 
-old_env=$(sed -n "s/^env_python='\(.*\)\/bin\/python3'$/\1/p" "$(bzl "$c" "$base" info output_base 2>/dev/null)"/external/*quack_python/python3)
+# The environment in use: the repository's `env` link (the interpreter shim names no path).
+env_in_use() { readlink -f "$(bzl "$c" "$base" info output_base 2>/dev/null)"/external/*quack_python/env; }
+old_env=$(env_in_use)
 printf '# check_bazel_incremental %s\n' "$RANDOM$RANDOM" >>"$c/requirements_lock.txt"
 build_and_count "$n" "edit requirements_lock.txt (a new environment is made: about a minute)"
-new_env=$(sed -n "s/^env_python='\(.*\)\/bin\/python3'$/\1/p" "$(bzl "$c" "$base" info output_base 2>/dev/null)"/external/*quack_python/python3)
+new_env=$(env_in_use)
 [[ -n "$new_env" && "$new_env" != "$old_env" ]] || fail "the lock change did not make a new environment"
 rm -rf "$new_env" "$new_env.lock"
 log "OK: no-op 0, family edit 1 ($family), shared edit $n, lock edit $n warm_cache actions"
