@@ -96,8 +96,23 @@ def compile_only_mode() -> Iterator[CompileOnlyFakeTensorMode]:
     try:
         with CompileOnlyFakeTensorMode() as mode:
             yield mode
+    except RuntimeError as err:
+        if _NO_CUDA_GUARD in str(err):
+            raise RuntimeError(f"{err}. {_NO_CUDA_GUARD_HINT}") from err
+        raise
     finally:
         _COMPILE_ONLY_DEPTH.reset(token)
+
+
+# A CPU-only build of torch has no CUDA device guard, which indexing, copy_,
+# .to("cuda") and contiguous() of a (fake) CUDA tensor ask for; a CUDA build has
+# one, which FakeTensor swaps for a no-op where no GPU is visible.
+_NO_CUDA_GUARD = "PyTorch is not linked with support for cuda devices"
+_NO_CUDA_GUARD_HINT = (
+    "Under compile-only mode a CPU-only build of torch cannot index, copy_, move (.to/.cuda) or make "
+    "contiguous a fake CUDA tensor: create tensors on the CUDA device directly and take views with "
+    "narrow/select/view/reshape, or run compile-only with a CUDA build of torch (it needs no GPU)."
+)
 
 
 def is_compile_only() -> bool:

@@ -111,3 +111,15 @@ def test_fake_mode_kwargs_pass_through():
     real = torch.ones(3)
     with mode:
         assert (real + 1).shape == (3,)
+
+
+@pytest.mark.skipif(torch.backends.cuda.is_built(), reason="a CUDA build of torch indexes fake CUDA tensors")
+def test_a_cpu_only_torch_says_what_compile_only_cannot_do():
+    # Indexing a fake CUDA tensor needs a CUDA device guard, which a CPU-only
+    # torch lacks: the error says so and what to do instead.
+    with pytest.raises(RuntimeError, match="create tensors on the CUDA device directly"):
+        with compile_only_mode():
+            torch.randn(8, 16, device="cuda")[:4]
+    assert not is_compile_only()
+    with compile_only_mode():
+        assert torch.randn(8, 16, device="cuda").narrow(0, 0, 4).shape == (4, 16)  # the way that works
