@@ -104,7 +104,7 @@ def _c_launcher(fastlaunch, entry_address, result=None):
     buf = array.array("q", [0] * words)
     base = buf.buffer_info()[0]
     packed = (ctypes.c_void_p * len(starts))(*[base + 8 * s for s in starts])
-    fields = [(i, what, launcher._CTYPE_CODES[ctype], dim, offset) for i, what, ctype, dim, offset in placed]
+    fields = launcher.c_fields(placed)
     c = fastlaunch.Launcher(entry_address, packed, buf, result, len(PRESENT), fields,
                             torch.Tensor.__dlpack_c_exchange_api__, torch.Tensor)
     return c, buf, packed
@@ -326,7 +326,7 @@ def test_threads_never_launch_with_each_others_arguments(fastlaunch, tmp_path, y
     packed = (ctypes.c_void_p * len(starts))(*[buf.buffer_info()[0] + 8 * s for s in starts])
     c = fastlaunch.Launcher(
         ctypes.cast(lib.entry, ctypes.c_void_p).value, packed, buf, None, 3,
-        [(i, what, launcher._CTYPE_CODES[ctype], dim, offset) for i, what, ctype, dim, offset in placed],
+        launcher.c_fields(placed),
         torch.Tensor.__dlpack_c_exchange_api__, torch.Tensor,
     )
     # Thread v launches (x[v], v, r[v]), where reading its scalar, or its last

@@ -47,7 +47,7 @@ typedef struct {
     int (*current_work_stream)(int32_t device_type, int32_t device_id, void **out_stream);
 } DLPackExchangeAPI;
 
-/* ---- one field write ------------------------------------------------------ */
+/* ---- the fields of a launch ------------------------------------------------ */
 enum what { DATA = 'd', SIZE = 's', STRIDE = 't', VALUE = 'v', STREAM = 'q' };
 enum ctype { I32 = 'i', I64 = 'l', F32 = 'f', F64 = 'd', BOOL = 'b' };
 

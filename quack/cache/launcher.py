@@ -80,6 +80,11 @@ _WORD = 8
 _CTYPE_CODES = {"int32_t": "i", "int64_t": "l", "float": "f", "double": "d", "bool": "b"}
 
 
+def c_fields(placed: list[tuple[int, str, str, int, int]]) -> list[tuple[int, str, str, int, int]]:
+    """``layout``'s fields as the C launcher takes them (one-letter C types)."""
+    return [(index, what, _CTYPE_CODES[ctype], dim, offset) for index, what, ctype, dim, offset in placed]
+
+
 def fields(spec: Sequence[Any]) -> list[tuple[str, str, int, int]]:
     """(what, C type, dimension, byte offset) of each field of one argument;
     what: "d" a tensor's data pointer, "s"/"t" its size/stride along the
@@ -253,9 +258,7 @@ def _c_launcher(capi: Any, result: Any, packed: Any, buf: array.array, placed: l
         return None
     try:
         return module.Launcher(
-            ctypes.cast(capi, ctypes.c_void_p).value, packed, buf, result, nargs,
-            [(index, what, _CTYPE_CODES[ctype], dim, offset) for index, what, ctype, dim, offset in placed], api,
-            tensor,
+            ctypes.cast(capi, ctypes.c_void_p).value, packed, buf, result, nargs, c_fields(placed), api, tensor
         )
     except (ValueError, TypeError, RuntimeError) as err:  # a layout it does not take: ctypes launches this one
         warnings.warn(f"quack: a kernel launches through ctypes: the C launcher refused its layout ({err})",
