@@ -1,7 +1,10 @@
 """The C launcher (quack/cache/_fastlaunch.c) on the CPU: it writes the bytes
 the Python packer writes, calls the entry point with the pointer array, and
 reports a failed launch; FastLauncher takes it after its first call, and
-falls back to ctypes with a notice where it is missing.
+falls back to ctypes with a notice where it is missing.  The eager fast
+path's parts (quack/fastpath.py): what ``describe`` tells apart and refuses,
+the direct launcher's row and context fields, the closure table (the ops
+taking it: tests/test_user_calls.py, on the GPU).
 
 The entry point here is a ctypes callback standing in for an exported
 object's host entry (``void entry(void **args)``), and tensors are CPU ones:
@@ -29,6 +32,7 @@ import torch
 
 import quack.cache
 
+from quack import fastpath
 from quack.cache import launcher
 from quack.cache.launcher import FastLauncher, layout, make_packer, parse_abi
 
@@ -385,3 +389,117 @@ def test_a_layout_the_c_launcher_refuses_launches_through_ctypes(fastlaunch, mon
     with pytest.warns(UserWarning, match="refused its layout"):
         fast, dsl, recorder, args = _launch_twice(monkeypatch, Refusing)
     assert fast._c is None and dsl.calls == 1 and len(recorder.firsts) == 1
+
+
+@pytest.fixture()
+def described(fastlaunch):
+    """The C module with describe() configured as quack.fastpath configures it."""
+    fastlaunch.configure(torch.Tensor.__dlpack_c_exchange_api__, (torch.Tensor, torch.nn.Parameter))
+    return fastlaunch
+
+
+def test_describe_tells_apart_what_checks_and_plans_read(described):
+    d = described.describe
+    x = torch.zeros(8, 64)
+    base = d(False, x, None, 3, True)
+    assert base == d(False, torch.ones(8, 64), None, 3, True)  # values do not count
+    different = [
+        d(False, x.half(), None, 3, True),  # dtype
+        d(False, torch.zeros(4, 64), None, 3, True),  # shape
+        d(False, torch.zeros(64, 8).t(), None, 3, True),  # strides
+        d(False, torch.zeros(8 * 64 + 1)[1:].view(8, 64), None, 3, True),  # address mod 16
+        d(False, x, x, 3, True),  # None or a tensor
+        d(False, x, None, 4, True),  # an option's value
+        d(False, x, None, 3, False),
+        d(False, x, None, True, True),  # a bool is not the int 1
+    ]
+    assert base not in different and len(set(different)) == len(different)
+    # requires_grad counts under grad mode only (where it decides the plan).
+    flagged = torch.zeros(8, 64, requires_grad=True)
+    assert d(False, flagged) == d(False, x)
+    assert d(True, flagged) != d(True, x)
+    assert d(True, torch.nn.Parameter(torch.zeros(8, 64))) == d(True, flagged)
+
+
+def test_describe_refuses_what_it_cannot_key(described):
+    class Sub(torch.Tensor):
+        pass
+
+    x = torch.zeros(4)
+    assert described.describe(False, x, 1e-6) is None  # floats: eps is passed, not keyed
+    assert described.describe(False, x, "mean") is None
+    assert described.describe(False, x.as_subclass(Sub)) is None
+    assert described.describe(False, x, 2**70) is None
+
+
+def _direct(fastlaunch, entry_address, rows, get_context=0, context=0):
+    header_abi = [["tensor", "int32_t", 1, "int64_t", 1], ["tensor", "int32_t", 1, "int64_t", 1], ["scalar", "float"]]
+    present = [True, True, True]
+    placed, starts, words = layout(header_abi, present)
+    buf = array.array("q", [0] * words)
+    base = buf.buffer_info()[0]
+    packed = (ctypes.c_void_p * len(starts))(*[base + 8 * s for s in starts])
+    fields = [(i, "S" if i in rows and w == "s" else "T" if i in rows and w == "t" else w, c, dim, off)
+              for i, w, c, dim, off in launcher.c_fields(placed)]
+    c = fastlaunch.Launcher(entry_address, packed, buf, None, 3, fields, torch.Tensor.__dlpack_c_exchange_api__,
+                            torch.Tensor, get_context, context)
+    return c, buf
+
+
+def test_direct_launcher_reads_contiguous_tensors_as_rows(fastlaunch):
+    recorder = _Recorder()
+    c, buf = _direct(fastlaunch, recorder.address, rows={0})
+    x = torch.zeros(2, 3, 8)  # read as rows: (6, 8)
+    v = torch.zeros(5, 7)  # argument 1 keeps its own sizes
+    assert c(x, v, 0.5) is None
+    words = buf.tolist()
+    assert words[0] == x.data_ptr() and ctypes.c_int32(words[1]).value == 6 and words[2] == 8
+    assert words[3] == v.data_ptr() and ctypes.c_int32(words[4]).value == 5 and words[5] == 7
+    assert len(recorder.firsts) == 1
+
+
+CONTEXT_GETTER = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(ctypes.c_void_p))
+
+
+def test_direct_launcher_declines_another_current_context(fastlaunch):
+    current = {"context": 0x1000}
+
+    def get(out):
+        out[0] = current["context"]
+        return 0
+
+    getter = CONTEXT_GETTER(get)
+    recorder = _Recorder()
+    c, _ = _direct(fastlaunch, recorder.address, rows=set(), get_context=ctypes.cast(getter, ctypes.c_void_p).value,
+                   context=0x1000)
+    x = torch.zeros(4, 8)
+    assert c(x, x, 1.0) is None
+    current["context"] = 0x2000  # another device made current
+    assert c(x, x, 1.0) is NotImplemented
+    assert len(recorder.firsts) == 1  # the declined call launched nothing
+
+
+def test_fast_launcher_direct_only_after_its_first_call(fastlaunch, monkeypatch):
+    _use_module(monkeypatch, fastlaunch)
+    recorder = _Recorder()
+    abi = [["tensor", "int32_t", 1, "int64_t", 1], ["stream"]]
+    fast = FastLauncher(_DslFunction(recorder.entry), abi)
+    assert fast.direct(frozenset({0})) is None
+    fast(torch.zeros(4, 8), 0)
+    direct = fast.direct(frozenset({0}))
+    assert isinstance(direct, fastlaunch.Launcher)
+
+
+def test_closures_are_kept_per_description_and_bounded(monkeypatch):
+    monkeypatch.setattr(fastpath, "_CLOSURES", {})
+    assert fastpath.call(None, 1) is NotImplemented
+    assert fastpath.call(b"k", 1) is NotImplemented
+    fastpath.remember(b"k", lambda: (lambda v: v + 1))
+    assert fastpath.call(b"k", 1) == 2
+    fastpath.remember(b"none", lambda: None)  # no direct launcher: nothing kept
+    assert fastpath.call(b"none", 1) is NotImplemented
+    fastpath.remember(None, lambda: pytest.fail("a None key builds nothing"))
+    monkeypatch.setattr(fastpath, "MAX_CLOSURES", 2)
+    fastpath.remember(b"a", lambda: (lambda: 0))
+    fastpath.remember(b"b", lambda: (lambda: 0))
+    assert set(fastpath._CLOSURES) == {b"b"}  # the table started over

@@ -6,7 +6,9 @@ weights, training forward + backward, and ``torch.compile(fullgraph=True)``.
 No test file warms these shapes: only tools/configs/production.jsonl does, so
 a strict run (Bazel's GPU test, or the GPU machine against the Bazel-built
 artifact) passes exactly when the manifest covers what these calls need.
-Values are checked against the fp32 references.
+Values are checked against the fp32 references.  A repeated inference call
+takes the eager fast path (quack/fastpath.py) and gives the first call's
+bits, on the current stream.
 """
 
 import contextlib
@@ -15,6 +17,7 @@ import pytest
 import torch
 
 import quack
+from quack import fastpath
 from quack.testing import matrix
 from quack.testing.autograd import vjp
 
@@ -104,3 +107,79 @@ def test_gemm(b_layout):
         b = b.as_strided((8192, 8192), (1, 8192))
     with torch.inference_mode():
         torch.testing.assert_close(quack.gemm(a, b).float(), quack.gemm_ref(a, b).float(), atol=0.5, rtol=2e-2)
+
+
+# ---- the eager fast path (quack/fastpath.py) ----------------------------------
+
+
+def _inference_calls():
+    """(name, call) at shapes the production manifest warms for inference."""
+    torch.manual_seed(0)
+    x = torch.randn(8, 4096, device="cuda", dtype=BF16)
+    x3 = torch.randn(2, 3, 4096, device="cuda", dtype=BF16)  # rows from leading dims
+    w = torch.nn.Parameter(torch.randn(4096, device="cuda", dtype=BF16))
+    w32 = torch.randn(5120, device="cuda")
+    h = torch.randn(4, 5120, device="cuda", dtype=BF16)
+    r = torch.randn(4, 5120, device="cuda", dtype=BF16)
+    a = torch.randn(256, 4096, device="cuda", dtype=BF16)
+    b = torch.randn(4096, 4096, device="cuda", dtype=BF16)
+    return [
+        ("rmsnorm", lambda: quack.rmsnorm(x, w)),
+        ("rmsnorm_3d", lambda: quack.rmsnorm(x3, w)),
+        ("rmsnorm_residual", lambda: quack.rmsnorm(h, w32, residual=r)),
+        ("softmax", lambda: quack.softmax(x)),
+        ("layernorm", lambda: quack.layernorm(x, w, w)),
+        ("layernorm_no_bias", lambda: quack.layernorm(x, w)),
+        ("gemm", lambda: quack.gemm(a, b.t())),
+    ]
+
+
+def _flat(out):
+    return out if isinstance(out, tuple) else (out,)
+
+
+@pytest.mark.no_compile_only  # counts closures, which compile-only mode never makes
+@pytest.mark.parametrize(
+    "name", ["rmsnorm", "rmsnorm_3d", "rmsnorm_residual", "softmax", "layernorm", "layernorm_no_bias", "gemm"]
+)
+def test_a_repeated_call_takes_the_closure_and_gives_the_same_bits(name):
+    call = dict(_inference_calls())[name]
+    with torch.no_grad():
+        first = _flat(call())
+        kept = len(fastpath._CLOSURES)
+        again = _flat(call())
+    assert len(fastpath._CLOSURES) == kept  # the second call added nothing: it found the first's closure
+    assert kept > 0
+    for a, b in zip(first, again):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.no_compile_only
+def test_the_fast_path_launches_on_the_current_stream():
+    x = torch.randn(64, 4096, device="cuda", dtype=BF16)
+    w = torch.randn(4096, device="cuda", dtype=BF16)
+    with torch.no_grad():
+        want = quack.rmsnorm(x, w)  # also sets up the closure
+        quack.rmsnorm(x, w)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            y = torch.zeros_like(x)
+            torch.cuda._sleep(20_000_000)  # the stream stays busy long after the host moves on
+            y.copy_(x)
+            out = quack.rmsnorm(y, w)  # must run after the copy, on `side`
+        torch.cuda.current_stream().wait_stream(side)
+    assert torch.equal(out, want)
+
+
+@pytest.mark.no_compile_only
+def test_a_call_that_will_run_a_backward_takes_the_full_path():
+    x = torch.randn(8, 4096, device="cuda", dtype=BF16)
+    w = torch.nn.Parameter(torch.randn(4096, device="cuda", dtype=BF16))
+    with torch.no_grad():
+        quack.rmsnorm(x, w)
+        quack.rmsnorm(x, w)
+    y = quack.rmsnorm(x, w)  # grad mode, w requires grad: the training plan, with a graph
+    assert y.requires_grad and y.grad_fn is not None
+    y.float().sum().backward()
+    assert w.grad is not None and torch.isfinite(w.grad).all()

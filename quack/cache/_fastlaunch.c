@@ -48,7 +48,14 @@ typedef struct {
 } DLPackExchangeAPI;
 
 /* ---- the fields of a launch ------------------------------------------------ */
-enum what { DATA = 'd', SIZE = 's', STRIDE = 't', VALUE = 'v', STREAM = 'q' };
+/* ROWS and ROW_STRIDE read a contiguous (..., N) tensor as the (M, N) rows
+ * a row-wise kernel takes (M the product of the leading sizes, row stride
+ * N) with no view made in Python; CURRENT_STREAM is torch's current stream
+ * on the device of the call's first tensor. */
+enum what {
+    DATA = 'd', SIZE = 's', STRIDE = 't', VALUE = 'v', STREAM = 'q',
+    ROWS = 'S', ROW_STRIDE = 'T', CURRENT_STREAM = 'Q'
+};
 enum ctype { I32 = 'i', I64 = 'l', F32 = 'f', F64 = 'd', BOOL = 'b' };
 
 typedef struct {
@@ -73,6 +80,10 @@ typedef struct {
     Py_ssize_t nargs;
     Py_ssize_t nfields;
     Field *fields;
+    /* Where set: the launch's CUDA context, checked before each call (a
+     * launch from another current context returns NotImplemented). */
+    int (*get_context)(void **);
+    void *context;
 } Launcher;
 
 /* One field's value, read before anything is written. */
@@ -107,10 +118,21 @@ static int view(Launcher *self, PyObject *obj, Py_ssize_t index, DLTensor *out) 
 static int read_values(Launcher *self, PyObject *const *args, Scalar *values) {
     DLTensor t;
     Py_ssize_t viewed = -1; /* the argument t describes */
+    DLDevice first = {0, -1}; /* the device of the first tensor read */
     for (Py_ssize_t i = 0; i < self->nfields; i++) {
         const Field *f = &self->fields[i];
         PyObject *obj = args[f->arg];
-        if (f->what == STREAM) {
+        if (f->what == CURRENT_STREAM) {
+            if (first.device_id < 0) {
+                PyErr_SetString(PyExc_ValueError, "quack launcher: the current stream follows a tensor argument");
+                return -1;
+            }
+            if (self->api->current_work_stream == NULL ||
+                self->api->current_work_stream(first.device_type, first.device_id, &values[i].p) != 0) {
+                PyErr_SetString(PyExc_RuntimeError, "quack launcher: torch gave no current stream");
+                return -1;
+            }
+        } else if (f->what == STREAM) {
             values[i].p = PyLong_AsVoidPtr(obj);
             if (values[i].p == NULL && PyErr_Occurred()) return -1;
         } else if (f->what == VALUE && (f->ctype == F32 || f->ctype == F64)) {
@@ -128,9 +150,21 @@ static int read_values(Launcher *self, PyObject *const *args, Scalar *values) {
             if (viewed != f->arg) {
                 if (view(self, obj, f->arg, &t) < 0) return -1;
                 viewed = f->arg;
+                if (first.device_id < 0) first = t.device;
             }
             if (f->what == DATA) {
                 values[i].p = (char *)t.data + t.byte_offset;
+                continue;
+            }
+            if (f->what == ROWS || f->what == ROW_STRIDE) {
+                if (t.ndim < 1) {
+                    PyErr_Format(PyExc_ValueError, "quack launcher: argument %d has no rows", f->arg);
+                    return -1;
+                }
+                long long rows = 1;
+                for (int32_t d = 0; d + 1 < t.ndim; d++) rows *= t.shape[d];
+                values[i].i = f->what == ROWS ? rows : t.shape[t.ndim - 1];
+                if (!fits(f->ctype, values[i].i)) return -1;
                 continue;
             }
             if (f->dim >= t.ndim) {
@@ -153,7 +187,7 @@ static void write_fields(Launcher *self, const Scalar *values) {
     for (Py_ssize_t i = 0; i < self->nfields; i++) {
         const Field *f = &self->fields[i];
         char *at = self->buffer + f->offset;
-        if (f->what == DATA || f->what == STREAM) {
+        if (f->what == DATA || f->what == STREAM || f->what == CURRENT_STREAM) {
             *(void **)at = values[i].p;
             continue;
         }
@@ -177,6 +211,10 @@ static PyObject *launcher_call(PyObject *op, PyObject *args, PyObject *kwargs) {
     if (n != self->nargs) {
         PyErr_Format(PyExc_TypeError, "kernel takes %zd arguments, got %zd", self->nargs, n);
         return NULL;
+    }
+    if (self->get_context != NULL) {
+        void *current = NULL;
+        if (self->get_context(&current) != 0 || current != self->context) Py_RETURN_NOTIMPLEMENTED;
     }
     PyObject *items[64];
     for (Py_ssize_t i = 0; i < n; i++) items[i] = PyTuple_GetItem(args, i); /* borrowed */
@@ -210,12 +248,12 @@ static int one_of(const char *code, const char *codes) {
 
 /* A field's kind, and its C type where the kind takes one. */
 static int valid_field(const char *what, const char *ctype) {
-    if (!one_of(what, "dstvq")) return 0;
-    return what[0] == 'd' || what[0] == 'q' || one_of(ctype, "ildfb");
+    if (!one_of(what, "dstvqSTQ")) return 0;
+    return what[0] == 'd' || what[0] == 'q' || what[0] == 'Q' || one_of(ctype, "ildfb");
 }
 
 static int field_size(char what, char ctype) {
-    if (what == DATA || what == STREAM) return 8;
+    if (what == DATA || what == STREAM || what == CURRENT_STREAM) return 8;
     return ctype == I32 || ctype == F32 ? 4 : ctype == BOOL ? 1 : 8;
 }
 
@@ -264,22 +302,24 @@ static void release_views(Launcher *self) {
     if (self->result_view.obj) PyBuffer_Release(&self->result_view);
 }
 
-/* Launcher(entry, packed, buffer, result, nargs, fields, api, tensor_type)
+/* Launcher(entry, packed, buffer, result, nargs, fields, api, tensor_type[, get_context, context])
  * entry: the entry point's address; packed, buffer and result (or None):
  * writable buffers (a ctypes array, an array.array, a ctypes c_int32), held
  * for the launcher's life; fields: a sequence of (arg, what, ctype, dim,
  * offset) with what and ctype one-letter strings; api: the
- * "dlpack_exchange_api" capsule; tensor_type: torch.Tensor. */
+ * "dlpack_exchange_api" capsule; tensor_type: torch.Tensor; get_context:
+ * the address of the driver's cuCtxGetCurrent and context the one the
+ * entry point's module was loaded in (0, 0: no check). */
 static PyObject *launcher_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
-    unsigned long long entry;
+    unsigned long long entry, get_context = 0, context = 0;
     Py_ssize_t nargs;
     PyObject *packed, *buffer, *result, *fields, *capsule, *tensor_type;
     if (kwargs != NULL && PyDict_Size(kwargs) > 0) {
         PyErr_SetString(PyExc_TypeError, "quack launcher: arguments are positional");
         return NULL;
     }
-    if (!PyArg_ParseTuple(args, "KOOOnOOO", &entry, &packed, &buffer, &result, &nargs, &fields, &capsule,
-                          &tensor_type))
+    if (!PyArg_ParseTuple(args, "KOOOnOOO|KK", &entry, &packed, &buffer, &result, &nargs, &fields, &capsule,
+                          &tensor_type, &get_context, &context))
         return NULL;
     if (!entry) {
         PyErr_SetString(PyExc_ValueError, "quack launcher: the entry point's address is 0");
@@ -317,6 +357,8 @@ static PyObject *launcher_new(PyTypeObject *type, PyObject *args, PyObject *kwar
     self->buffer = self->buffer_view.buf;
     self->result = result == Py_None ? NULL : self->result_view.buf;
     self->api = api;
+    self->get_context = (int (*)(void **))(uintptr_t)get_context;
+    self->context = (void *)(uintptr_t)context;
     Py_INCREF(tensor_type);
     self->tensor_type = tensor_type;
     self->nargs = nargs;
@@ -355,6 +397,150 @@ static PyType_Spec launcher_spec = {
     "quack.cache._fastlaunch.Launcher", sizeof(Launcher), 0, Py_TPFLAGS_DEFAULT, launcher_slots,
 };
 
+/* ---- a call's description: the eager fast path's key ----------------------
+ *
+ * describe(grad_enabled, *args) -> bytes, or None where the call is not one
+ * the fast path takes.  The bytes hold everything an op's checks and plan
+ * read from its arguments: per tensor its dtype, device, shape, strides, the
+ * alignment of its address (mod 16) and, under grad mode, requires_grad; per
+ * None, bool or int its value.  Two calls with equal descriptions pass the
+ * same checks and take the same plan, so the first call's launch closure
+ * serves the second (quack/fastpath.py).  Any other argument (a float, a
+ * tensor subclass other than the configured types) gives None. */
+
+static const DLPackExchangeAPI *described_api = NULL; /* set by configure() */
+static PyObject *described_capsule = NULL;          /* holds the table alive */
+static PyObject *described_types = NULL;            /* a tuple of exact types */
+static PyObject *requires_grad_name = NULL;
+
+#define DESCRIPTION_MAX 2048
+
+static int exact_type(PyObject *obj) {
+    Py_ssize_t n = PyTuple_Size(described_types);
+    for (Py_ssize_t i = 0; i < n; i++)
+        if ((PyObject *)Py_TYPE(obj) == PyTuple_GetItem(described_types, i)) return 1;
+    return 0;
+}
+
+static int put(char *out, Py_ssize_t *used, const void *bytes, Py_ssize_t size) {
+    if (*used + size > DESCRIPTION_MAX) return 0;
+    memcpy(out + *used, bytes, size);
+    *used += size;
+    return 1;
+}
+
+/* One tensor's part of the description; 0 where it cannot be described. */
+static int describe_tensor(PyObject *obj, int grad_enabled, char *out, Py_ssize_t *used) {
+    DLTensor t;
+    if (described_api->dltensor_from_py_object_no_sync((void *)obj, &t) != 0) {
+        PyErr_Clear();
+        return 0;
+    }
+    uint8_t alignment = (uint8_t)(((uintptr_t)t.data + t.byte_offset) & 15);
+    uint8_t requires_grad = 0;
+    if (grad_enabled) {
+        PyObject *flag = PyObject_GetAttr(obj, requires_grad_name);
+        if (flag == NULL) {
+            PyErr_Clear();
+            return 0;
+        }
+        requires_grad = flag == Py_True;
+        Py_DECREF(flag);
+    }
+    if (!put(out, used, "t", 1) || !put(out, used, &t.dtype, sizeof t.dtype) ||
+        !put(out, used, &t.device, sizeof t.device) || !put(out, used, &t.ndim, sizeof t.ndim) ||
+        !put(out, used, &alignment, 1) || !put(out, used, &requires_grad, 1) ||
+        !put(out, used, t.shape, (Py_ssize_t)sizeof(int64_t) * t.ndim))
+        return 0;
+    if (t.strides != NULL) return put(out, used, t.strides, (Py_ssize_t)sizeof(int64_t) * t.ndim);
+    int64_t stride = 1, strides[64];
+    if (t.ndim > 64) return 0;
+    for (int32_t d = t.ndim - 1; d >= 0; d--) {
+        strides[d] = stride;
+        stride *= t.shape[d];
+    }
+    return put(out, used, strides, (Py_ssize_t)sizeof(int64_t) * t.ndim);
+}
+
+static PyObject *describe(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    if (described_api == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "quack launcher: describe() before configure()");
+        return NULL;
+    }
+    if (nargs < 1) {
+        PyErr_SetString(PyExc_TypeError, "describe(grad_enabled, *args)");
+        return NULL;
+    }
+    int grad_enabled = args[0] == Py_True;
+    char out[DESCRIPTION_MAX];
+    Py_ssize_t used = 0;
+    for (Py_ssize_t i = 1; i < nargs; i++) {
+        PyObject *obj = args[i];
+        int ok;
+        if (obj == Py_None) {
+            ok = put(out, &used, "n", 1);
+        } else if (obj == Py_True || obj == Py_False) {
+            ok = put(out, &used, obj == Py_True ? "T" : "F", 1);
+        } else if (PyLong_CheckExact(obj)) {
+            long long value = PyLong_AsLongLong(obj);
+            if (value == -1 && PyErr_Occurred()) {
+                PyErr_Clear();
+                Py_RETURN_NONE;
+            }
+            ok = put(out, &used, "i", 1) && put(out, &used, &value, sizeof value);
+        } else if (exact_type(obj)) {
+            ok = describe_tensor(obj, grad_enabled, out, &used);
+        } else {
+            ok = 0;
+        }
+        if (!ok) Py_RETURN_NONE;
+    }
+    return PyBytes_FromStringAndSize(out, used);
+}
+
+/* configure(api, types): the DLPack exchange capsule and the tuple of exact
+ * tensor types describe() takes (torch.Tensor, torch.nn.Parameter). */
+static PyObject *configure(PyObject *module, PyObject *args) {
+    PyObject *capsule, *types;
+    if (!PyArg_ParseTuple(args, "OO", &capsule, &types)) return NULL;
+    const DLPackExchangeAPI *api = PyCapsule_GetPointer(capsule, "dlpack_exchange_api");
+    if (api == NULL) return NULL;
+    if (api->header.version.major != 1 || api->dltensor_from_py_object_no_sync == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "quack launcher: a DLPack exchange table without a DLTensor export");
+        return NULL;
+    }
+    if (!PyTuple_Check(types)) {
+        PyErr_SetString(PyExc_TypeError, "quack launcher: types must be a tuple of types");
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < PyTuple_Size(types); i++) {
+        if (!PyType_Check(PyTuple_GetItem(types, i))) {
+            PyErr_SetString(PyExc_TypeError, "quack launcher: types must be a tuple of types");
+            return NULL;
+        }
+    }
+    if (requires_grad_name == NULL) {
+        requires_grad_name = PyUnicode_InternFromString("requires_grad");
+        if (requires_grad_name == NULL) return NULL;
+    }
+    PyObject *old_capsule = described_capsule, *old_types = described_types;
+    Py_INCREF(capsule);
+    Py_INCREF(types);
+    described_capsule = capsule;
+    described_types = types;
+    Py_XDECREF(old_capsule);
+    Py_XDECREF(old_types);
+    described_api = api;
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef module_methods[] = {
+    {"describe", (PyCFunction)(void (*)(void))describe, METH_FASTCALL,
+     "describe(grad_enabled, *args) -> bytes or None: the fast path's key of a call"},
+    {"configure", configure, METH_VARARGS, "configure(api, types): what describe() reads tensors with"},
+    {NULL, NULL, 0, NULL},
+};
+
 static int module_exec(PyObject *module) {
     PyObject *type = PyType_FromSpec(&launcher_spec);
     if (type == NULL) return -1;
@@ -368,7 +554,8 @@ static int module_exec(PyObject *module) {
 static PyModuleDef_Slot module_slots[] = {{Py_mod_exec, module_exec}, {0, NULL}};
 
 static struct PyModuleDef module_def = {
-    PyModuleDef_HEAD_INIT, "_fastlaunch", "The kernel launcher's per-call packing, in C.", 0, NULL, module_slots,
+    PyModuleDef_HEAD_INIT, "_fastlaunch", "The kernel launcher's per-call packing, in C.", 0, module_methods,
+    module_slots,
 };
 
 PyMODINIT_FUNC PyInit__fastlaunch(void) { return PyModuleDef_Init(&module_def); }

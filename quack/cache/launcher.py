@@ -199,6 +199,8 @@ class FastLauncher:
         self._capi = None
         self._result = None
         self._nargs = 0
+        self._placed = None  # the fields' layout for this call's present arguments
+        self._context = (0, 0)  # (cuCtxGetCurrent's address, the first launch's context)
         # The buffer is shared state: one launch packs and calls at a time
         # (the C launcher converts every argument first, then writes and
         # launches with no Python code in between: the GIL is held throughout).
@@ -219,6 +221,31 @@ class FastLauncher:
             self._capi(self._packed)
             if self._result is not None and self._result.value != 0:
                 raise RuntimeError(f"kernel launch failed with CUDA error {self._result.value}")
+
+    def direct(self, rows: frozenset[int]) -> Any:
+        """A C launcher for the eager fast path (``quack/fastpath.py``), or
+        None before the first call or without the C launcher.
+
+        It takes the arguments of the first call's pattern, with two
+        differences: each argument in ``rows`` is a contiguous (..., N)
+        tensor read as the (M, N) rows the kernel declares (no view needed),
+        and the stream is torch's current stream on the first tensor's
+        device (pass None).  It returns NotImplemented, launching nothing,
+        when the current CUDA context is not the one its module was loaded in
+        (another device is current: the caller takes the guarded path)."""
+        if self._c is None:
+            return None
+        module, api, tensor = _c_module()
+        fields = []
+        for index, what, ctype, dim, offset in c_fields(self._placed):
+            if index in rows and what in "st" and dim == 0:
+                what = "S" if what == "s" else "T"
+            elif what == "q":
+                what = "Q"
+            fields.append((index, what, ctype, dim, offset))
+        entry = ctypes.cast(self._capi, ctypes.c_void_p).value
+        return module.Launcher(entry, self._packed, self._buf, self._result, self._nargs, fields, api, tensor,
+                               *self._context)
 
     def bare(self, calls: int) -> float | None:
         """Seconds for ``calls`` calls of the entry point from C with the last
@@ -245,7 +272,9 @@ class FastLauncher:
         self._packed = (ctypes.c_void_p * len(packed))(*packed)
         self._capi = executor.capi_func
         self._result = executor.cuda_result
-        self._c = _c_launcher(self._capi, self._result, self._packed, buf, layout(self._abi, present)[0], len(args))
+        self._placed = layout(self._abi, present)[0]
+        self._context = current_context()
+        self._c = _c_launcher(self._capi, self._result, self._packed, buf, self._placed, len(args))
 
 
 def _c_launcher(capi: Any, result: Any, packed: Any, buf: array.array, placed: list, nargs: int):
@@ -264,6 +293,30 @@ def _c_launcher(capi: Any, result: Any, packed: Any, buf: array.array, placed: l
         warnings.warn(f"quack: a kernel launches through ctypes: the C launcher refused its layout ({err})",
                       stacklevel=4)
         return None
+
+
+@functools.lru_cache(maxsize=None)
+def _context_getter() -> Any:
+    """The driver's ``cuCtxGetCurrent`` (None where there is no driver)."""
+    try:
+        getter = ctypes.CDLL("libcuda.so.1").cuCtxGetCurrent
+    except (OSError, AttributeError):
+        return None
+    getter.argtypes = [ctypes.POINTER(ctypes.c_void_p)]
+    getter.restype = ctypes.c_int
+    return getter
+
+
+def current_context() -> tuple[int, int]:
+    """(cuCtxGetCurrent's address, the current CUDA context): what a direct
+    launcher checks before each call; (0, 0) without a driver or a context."""
+    getter = _context_getter()
+    if getter is None:
+        return 0, 0
+    context = ctypes.c_void_p()
+    if getter(ctypes.byref(context)) != 0 or not context.value:
+        return 0, 0
+    return ctypes.cast(getter, ctypes.c_void_p).value, context.value
 
 
 @functools.lru_cache(maxsize=None)
