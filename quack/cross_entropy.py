@@ -35,7 +35,7 @@ import cutlass.cute as cute
 import torch
 from cutlass import Float32, Int32
 
-from quack import rowwise
+from quack import fastpath, rowwise
 from quack import torch_interop as ti
 from quack.cache import compile_options, jit_cache
 from quack.compile_only import differentiable_outputs, is_compile_only
@@ -46,6 +46,11 @@ from quack.rowwise import RowConfig, forward_config
 
 MAX_N = 262144
 REDUCTIONS = ("mean", "sum", "none")
+
+
+def _reduction_code(reduction) -> int:
+    """The reduction as the fast path's key spells it (-1: one the checks refuse)."""
+    return REDUCTIONS.index(reduction) if isinstance(reduction, str) and reduction in REDUCTIONS else -1
 TARGET_DTYPES = (torch.int32, torch.int64)
 # Environment switch for target checking (see the module docstring).
 CHECK_TARGETS_ENV = "QUACK_CHECK_TARGETS"
@@ -71,16 +76,23 @@ def backward_config(n: int, vec: int) -> RowConfig:
 
 
 @jit_cache("cross_entropy")
-def compile_cross_entropy_fwd(dtype: str, target_dtype: str, n: int, vec: int):
-    """Compile the forward kernel for one static specialisation (M is symbolic)."""
+def compile_cross_entropy_fwd(dtype: str, target_dtype: str, n: int, vec: int, reduction: str, backward: bool):
+    """Compile the forward kernel for one static specialisation (M is symbolic).
+    ``reduction`` "mean"/"sum": the kernel also reduces the row losses (to one
+    value of the logits' dtype) and, for a ``backward``, writes the fp32
+    (sum, count); "none" writes the rows only.  ``backward``: store lse."""
     dt = ti.cute_dtype(dtype)
     cfg = forward_config(n, vec)
     m = cute.sym_int()
+    reducing = reduction != "none"
+    lse = rowwise.fake_vector(Float32, m) if backward else None
+    out = rowwise.fake_vector(dt, 1) if reducing else None
+    stats = rowwise.fake_vector(Float32, 2) if reducing and backward else None
+    counter = rowwise.fake_vector(Int32, 1) if reducing else None
     return cute.compile(
-        CrossEntropyForward(cfg), rowwise.fake_rows(dt, m, n, vec),
-        rowwise.fake_vector(_CUTE_INT[target_dtype], m), rowwise.fake_vector(Float32, m),
-        rowwise.fake_vector(Float32, m), Int32(-100), cute.runtime.make_fake_stream(),
-        options=compile_options(),
+        CrossEntropyForward(cfg, reduction if reducing else None), rowwise.fake_rows(dt, m, n, vec),
+        rowwise.fake_vector(_CUTE_INT[target_dtype], m), rowwise.fake_vector(Float32, m), lse, out, stats, counter,
+        Int32(-100), cute.runtime.make_fake_stream(), options=compile_options(),
     )
 
 
@@ -102,33 +114,36 @@ def compile_cross_entropy_bwd(dtype: str, target_dtype: str, n: int, vec: int):
 class CrossEntropyCall(Signature):
     """What decides a ``quack.cross_entropy`` call's kernels: the logits'
     dtype, the target's, N, the vector width of the logits' rows (the
-    backward reads the same rows) and whether a backward will run."""
+    backward reads the same rows), the reduction (done by the forward
+    kernel) and whether a backward will run."""
 
     OP: ClassVar[str] = "cross_entropy"
     dtype: str
     target_dtype: str
     n: int
     vec: int
+    reduction: str
     backward: bool
 
     def kernels(self):
         args = (self.dtype, self.target_dtype, self.n, self.vec)
-        forward = Kernel(compile_cross_entropy_fwd, args)
+        forward = Kernel(compile_cross_entropy_fwd, (*args, self.reduction, self.backward))
         if not self.backward:
             return (("forward", forward),)
         return (("forward", forward), ("backward", Kernel(compile_cross_entropy_bwd, args)))
 
 
-def call_signature(logits, target, backward: bool) -> CrossEntropyCall:
+def call_signature(logits, target, reduction: str, backward: bool) -> CrossEntropyCall:
     """The signature of a call on these tensors (the vector width from the logits' alignment)."""
     n = logits.shape[-1]
     return CrossEntropyCall(
-        ti.dtype_name(logits.dtype), ti.dtype_name(target.dtype), n, ti.vector_width(n, logits), backward
+        ti.dtype_name(logits.dtype), ti.dtype_name(target.dtype), n, ti.vector_width(n, logits), reduction, backward
     )
 
 
-def _launch_fwd(plan: Plan, logits, target, loss, lse, ignore_index) -> None:
-    plan.kernel("forward")(logits, target, loss, lse, ignore_index, ti.current_stream(logits.device))
+def _launch_fwd(plan: Plan, logits, target, loss, lse, ignore_index, out=None, stats=None, counter=None) -> None:
+    plan.kernel("forward")(logits, target, loss, lse, out, stats, counter, ignore_index,
+                           ti.current_stream(logits.device))
 
 
 def _launch_bwd(plan: Plan, logits, target, lse, dloss, dx, ignore_index) -> None:
@@ -141,8 +156,9 @@ def _launch_bwd(plan: Plan, logits, target, lse, dloss, dx, ignore_index) -> Non
 def _cross_entropy_fwd(
     logits: torch.Tensor, target: torch.Tensor, loss: torch.Tensor, lse: torch.Tensor, ignore_index: int
 ) -> None:
-    """Launch the forward kernel: (M, N) logits, (M,) target, loss and lse."""
-    _launch_fwd(plan_for(call_signature(logits, target, False)), logits, target, loss, lse, ignore_index)
+    """Launch the forward kernel: (M, N) logits, (M,) target, loss and lse
+    (torch.compile's graphs reduce the rows with torch ops, which they fuse)."""
+    _launch_fwd(plan_for(call_signature(logits, target, "none", True)), logits, target, loss, lse, ignore_index)
 
 
 @cute_op("quack::cross_entropy_bwd", mutates_args=("dx",))
@@ -155,7 +171,7 @@ def _cross_entropy_bwd(
     ignore_index: int,
 ) -> None:
     """Launch the backward kernel: dloss is the (M,) fp32 gradient of each row's loss."""
-    plan = plan_for(call_signature(logits, target, True))
+    plan = plan_for(call_signature(logits, target, "none", True))
     _launch_bwd(plan, logits, target, lse, dloss, dx, ignore_index)
 
 
@@ -190,19 +206,58 @@ def check_targets_in_range(target: torch.Tensor, n: int, ignore_index: int) -> N
 
 
 def cross_entropy_fwd(logits, target, ignore_index: int = -100, plan: Optional[Plan] = None):
-    """Allocate and run the forward: returns (loss, lse), fp32 of shape (M,).
-    ``plan``: the call's (eager); None goes through the registered op
-    (torch.compile, direct use)."""
-    n = logits.shape[-1]
+    """Allocate and run the forward: returns (loss, lse, reduced, stats).
+
+    loss: the (M,) fp32 row losses; lse: (M,) fp32 where a backward will
+    run, else None; reduced: the plan's reduction ("mean" or "sum") of the
+    losses, done by the kernel, a 0-dim tensor of the logits' dtype (None for
+    "none"); stats: that reduction's fp32 (sum, count) where a backward will
+    run.  ``plan``: the call's (eager); None goes through the registered op
+    (torch.compile, direct use), which stores lse and reduces nothing."""
+    reduction, backward = (plan.signature.reduction, plan.signature.backward) if plan is not None else ("none", True)
+    n, device = logits.shape[-1], logits.device
     x2 = ti.as_rows(logits, n)
     t1 = target.reshape(-1).contiguous()
     m = x2.shape[0]
-    loss = torch.empty(m, device=logits.device, dtype=torch.float32)
-    lse = torch.empty(m, device=logits.device, dtype=torch.float32)
-    if m > 0:
-        args = (x2, t1, loss, lse, ignore_index)
-        _launch_fwd(plan, *args) if plan is not None else _cross_entropy_fwd(*args)
-    return loss, lse
+    loss = torch.empty(m, device=device, dtype=torch.float32)
+    lse = torch.empty(m, device=device, dtype=torch.float32) if backward else None
+    reduced = stats = None
+    if reduction != "none":
+        reduced = torch.empty((), device=device, dtype=logits.dtype)
+        stats = torch.empty(2, device=device, dtype=torch.float32) if backward else None
+    if m == 0:
+        if reduced is not None and not is_compile_only():
+            reduced.fill_(math.nan if reduction == "mean" else 0.0)  # as torch: the mean of no rows is NaN
+            if stats is not None:
+                stats.zero_()
+    elif plan is None:
+        _cross_entropy_fwd(x2, t1, loss, lse, ignore_index)
+    else:
+        counter = reduction_counter(device) if reduced is not None else None
+        _launch_fwd(plan, x2, t1, loss, lse, ignore_index, reduced.view(1) if reduced is not None else None, stats,
+                    counter)
+    return loss, lse, reduced, stats
+
+
+_COUNTERS: dict[tuple[int, int], torch.Tensor] = {}
+
+
+def reduction_counter(device: torch.device) -> torch.Tensor:
+    """The zeroed int32 a reducing forward takes its CTAs' tickets from (the
+    last CTA zeroes it again).  One per device and stream, since launches on
+    one stream run one after another; a fresh one while a CUDA graph is
+    captured (the graph's own, zeroed on each replay), and in compile-only
+    mode.  A stream destroyed while a reducing forward is queued on it must
+    not be followed by a new stream with the same handle on the same device
+    before that forward ends (torch's pooled streams never are)."""
+    if is_compile_only() or torch.cuda.is_current_stream_capturing():
+        return torch.zeros(1, device=device, dtype=torch.int32)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    key = (index, torch._C._cuda_getCurrentRawStream(index))
+    counter = _COUNTERS.get(key)
+    if counter is None:
+        counter = _COUNTERS[key] = torch.zeros(1, device=device, dtype=torch.int32)
+    return counter
 
 
 def cross_entropy_bwd(logits, target, lse, dloss_rows, ignore_index: int = -100, plan: Optional[Plan] = None):
@@ -242,9 +297,12 @@ class _CrossEntropyFunction(torch.autograd.Function):
     def forward(ctx, logits, target, ignore_index, reduction, plan):
         # Kernels take plain tensors (DLPack refuses ones that require grad).
         logits = logits.detach()
-        loss, lse = cross_entropy_fwd(logits, target, ignore_index, plan)
+        loss, lse, reduced, stats = cross_entropy_fwd(logits, target, ignore_index, plan)
         ctx.plan = plan
-        out, count = _reduce(loss, target, ignore_index, reduction, logits.dtype)
+        if reduced is not None:  # reduced by the kernel (eager)
+            out, count = reduced, stats[1]
+        else:
+            out, count = _reduce(loss, target, ignore_index, reduction, logits.dtype)
         ctx.save_for_backward(logits, target, lse, count)
         ctx.ignore_index, ctx.reduction = ignore_index, reduction
         return out
@@ -280,16 +338,23 @@ def cross_entropy(
     TypeError for a wrong dtype and ValueError for a wrong device, shape or
     layout, before any launch.
     """
-    _validate(logits, target, ignore_index, reduction)
     if check_targets is None:
         check_targets = _check_env()
+    if not check_targets:
+        key = fastpath.describe(logits, target, ignore_index, _reduction_code(reduction))
+        loss = fastpath.call(key, logits, target, ignore_index)
+        if loss is not NotImplemented:
+            return loss
+    else:
+        key = None
+    _validate(logits, target, ignore_index, reduction)
     compile_only = is_compile_only()
     if check_targets and not compile_only:
         check_targets_in_range(target, logits.shape[-1], ignore_index)
     backward = ti.will_backward(logits)
     # While torch.compile traces there are no addresses: the registered ops
     # take their plans from the real tensors when the graph runs.
-    plan = None if torch.compiler.is_compiling() else plan_for(call_signature(logits, target, backward))
+    plan = None if torch.compiler.is_compiling() else plan_for(call_signature(logits, target, reduction, backward))
     if compile_only:
         # Export every kernel of the plan; the launch below is a no-op and
         # builds no graph (autograd cannot run on fake CUDA tensors).
@@ -298,9 +363,34 @@ def cross_entropy(
     if backward:
         return _CrossEntropyFunction.apply(logits, target, ignore_index, reduction, plan)
     with torch.no_grad():
-        loss, _ = cross_entropy_fwd(logits, target, ignore_index, plan)
-        loss = _reduce(loss, target, ignore_index, reduction, logits.dtype)[0]
-    return differentiable_outputs(loss, plan is not None and plan.signature.backward)
+        loss, _, reduced, _ = cross_entropy_fwd(logits, target, ignore_index, plan)
+        loss = reduced if reduced is not None else _reduce(loss, target, ignore_index, reduction, logits.dtype)[0]
+    stores_for_backward = plan is not None and plan.signature.backward
+    if reduced is not None and logits.numel() > 0 and not stores_for_backward:
+        fastpath.remember(key, lambda: _inference_closure(plan, logits, target))
+    return differentiable_outputs(loss, stores_for_backward)
+
+
+def _inference_closure(plan: Plan, logits: torch.Tensor, target: torch.Tensor):
+    """The eager fast path's launch for reducing calls like this one
+    (``quack/fastpath.py``): the logits go to the kernel as rows, unviewed;
+    the 0-dim result as the kernel's one-element output (it reads only its
+    address)."""
+    launch = fastpath.direct(plan, "forward", logits.device, rows=frozenset((0,)))
+    if launch is None:
+        return None
+    m, dtype, device = logits.numel() // logits.shape[-1], logits.dtype, logits.device
+    flat_target = target.dim() == 1 and target.is_contiguous()
+    empty = torch.empty
+
+    def run(logits, target, ignore_index):
+        loss = empty(m, device=device, dtype=torch.float32)
+        out = empty((), device=device, dtype=dtype)
+        t = target if flat_target else target.reshape(-1).contiguous()
+        counter = reduction_counter(device)
+        return out if launch(logits, t, loss, None, out, None, counter, ignore_index, None) is None else NotImplemented
+
+    return run
 
 
 def cross_entropy_ref(logits, target, ignore_index: int = -100, reduction: str = "mean"):

@@ -16,6 +16,15 @@ an out-of-range target.  No reduction: the grid is 2-D (row tiles x column
 tiles), each CTA reads its tile of x once and writes dx; ``RowConfig.cluster_n``
 is reused as the number of column tiles and no cluster is launched.
 
+Reduction ("mean" or "sum", one launch): after its rows, each CTA takes a
+ticket from a zeroed int32 counter; the CTA that takes the last ticket sums
+every row's loss (and counts the rows whose target is not ignore_index) in a
+fixed order, writes the result in the logits' dtype (sum / count for a mean:
+NaN when every row is ignored, as torch gives), optionally (sum, count) in
+fp32 for the backward, and zeroes the counter for the next launch on its
+stream.  The order of the sum does not depend on which CTA ends last, so the
+result is the same bits from run to run.
+
 Thread mapping is described in ``quack/rowwise.py``.  Tests:
 tests/test_cross_entropy.py; benchmark: ``python tools/bench/cross_entropy.py``.
 """
@@ -54,10 +63,13 @@ def _read_target(mTarget: cute.Tensor, row: Int32, ignore_index: Int32, n: cutla
 
 
 class CrossEntropyForward:
-    """loss[row] = logsumexp(x[row]) - x[row, target[row]]; also writes lse[row]."""
+    """loss[row] = logsumexp(x[row]) - x[row, target[row]]; also lse[row] given mLse (for a backward).
+    ``reduction`` "mean" or "sum" also writes the reduced loss to mOut (and,
+    given mStats, the fp32 sum and count); None writes the rows only."""
 
-    def __init__(self, cfg: RowConfig):
+    def __init__(self, cfg: RowConfig, reduction=None):
         self.cfg = cfg
+        self.reduction = reduction
 
     @cute.jit
     def __call__(
@@ -65,15 +77,18 @@ class CrossEntropyForward:
         mX: cute.Tensor,
         mTarget: cute.Tensor,
         mLoss: cute.Tensor,
-        mLse: cute.Tensor,
+        mLse,
+        mOut,
+        mStats,
+        mCounter,
         ignore_index: Int32,
         stream: cuda.CUstream,
     ):
         cfg = self.cfg
         copy = rowwise.make_row_copy(mX.element_type, cfg)
         rowwise.launch_rows(
-            self.kernel(mX, mTarget, mLoss, mLse, ignore_index, copy), cfg, mX.shape[0], stream,
-            staged=rowwise.stages_row(cfg, mX.element_type),
+            self.kernel(mX, mTarget, mLoss, mLse, mOut, mStats, mCounter, ignore_index, copy), cfg, mX.shape[0],
+            stream, staged=rowwise.stages_row(cfg, mX.element_type),
         )
 
     @cute.kernel
@@ -82,7 +97,10 @@ class CrossEntropyForward:
         mX: cute.Tensor,
         mTarget: cute.Tensor,
         mLoss: cute.Tensor,
-        mLse: cute.Tensor,
+        mLse,
+        mOut,
+        mStats,
+        mCounter,
         ignore_index: Int32,
         copy: cute.TiledCopy,
     ):
@@ -91,6 +109,11 @@ class CrossEntropyForward:
         bidx, _, _ = cute.arch.block_idx()
         # Stage 0: the max; stage 1: the sum.
         rank, smem, sRed, mbar = rowwise.start_row_cta(cfg, stages=2)
+        reducing = const_expr(self.reduction is not None)
+        if const_expr(reducing):
+            sLast = smem.allocate_tensor(Int32, cute.make_layout(1), byte_alignment=4)
+            sTotals = smem.allocate_tensor(Float32, cute.make_layout(cfg.threads // 32), byte_alignment=4)
+            sCounts = smem.allocate_tensor(Int32, cute.make_layout(cfg.threads // 32), byte_alignment=4)
         m, n = mX.shape[0], mX.shape[1]
         gX = cute.local_tile(mX, cfg.tiler, (bidx, rank))
         gC = cute.local_tile(cute.make_identity_tensor((m, n)), cfg.tiler, (bidx, rank))
@@ -143,7 +166,72 @@ class CrossEntropyForward:
             if mode == 2:
                 loss = Float32(math.nan)
             mLoss[row] = loss
-            mLse[row] = lse
+            if const_expr(mLse is not None):
+                mLse[row] = lse
+        if const_expr(reducing):
+            _reduce_in_last_cta(
+                mLoss, mTarget, mOut, mStats, mCounter, ignore_index, sLast, sTotals, sCounts, m, cfg.threads,
+                self.reduction == "mean",
+            )
+
+
+@cute.jit
+def _reduce_in_last_cta(
+    mLoss: cute.Tensor,
+    mTarget: cute.Tensor,
+    mOut: cute.Tensor,
+    mStats,
+    mCounter: cute.Tensor,
+    ignore_index: Int32,
+    sLast: cute.Tensor,
+    sTotals: cute.Tensor,
+    sCounts: cute.Tensor,
+    m,
+    threads: cutlass.Constexpr[int],
+    mean: cutlass.Constexpr[bool],
+):
+    """The module docstring's reduction: a ticket per CTA, the last one sums."""
+    tidx, _, _ = cute.arch.thread_idx()
+    # This thread's loss stores are visible device-wide before its CTA's ticket.
+    cute.arch.fence_acq_rel_gpu()
+    cute.arch.sync_threads()
+    if tidx == 0:
+        gx, gy, gz = cute.arch.grid_dim()
+        ticket = cute.arch.atomic_add(mCounter.iterator, Int32(1), sem="acq_rel", scope="gpu")
+        sLast[0] = Int32(0)
+        if ticket == gx * gy * gz - 1:
+            sLast[0] = Int32(1)
+    cute.arch.sync_threads()
+    if sLast[0] == 1:
+        cute.arch.fence_acq_rel_gpu()
+        total = Float32(0.0)
+        count = Int32(0)
+        for r in cutlass.range(tidx, m, threads, unroll=1):
+            total = total + mLoss[r]
+            if Int64(mTarget[r]) != Int64(ignore_index):
+                count = count + 1
+        total = cute.arch.warp_reduction(total, lambda a, b: a + b)
+        count = cute.arch.warp_reduction(count, lambda a, b: a + b)
+        warp, lane = tidx // 32, tidx % 32
+        if lane == 0:
+            sTotals[warp] = total
+            sCounts[warp] = count
+        cute.arch.sync_threads()
+        if tidx == 0:
+            total = Float32(0.0)
+            count = Int32(0)
+            for w in cutlass.range_constexpr(threads // 32):
+                total = total + sTotals[w]
+                count = count + sCounts[w]
+            counted = Float32(count)
+            value = total
+            if const_expr(mean):
+                value = total / counted
+            mOut[0] = value.to(mOut.element_type)
+            if const_expr(mStats is not None):
+                mStats[0] = total
+                mStats[1] = counted
+            mCounter[0] = Int32(0)
 
 
 class CrossEntropyBackward:

@@ -5,7 +5,8 @@
 Per-call table: each eager op (no grad) at a decode-sized shape beside its torch
 op, then the raw cached launch (the handle, preallocated outputs), the same
 object's entry point called from C with no packing (``FastLauncher.bare``: the
-floor), the CuTe DSL's own call path, and ``torch.add(out=)``.  Calls are timed
+floor), the CuTe DSL's own call path, the eager fast path's parts (its direct
+launcher, its key, an output's allocation), and ``torch.add(out=)``.  Calls are timed
 in batches of 200 on the CPU clock only, with a synchronize between batches
 (untimed), so the GPU queue never fills and throttles the loop.  The header says
 which launcher ran (C or ctypes).
@@ -96,6 +97,13 @@ def raw_rows():
     dsl_fn = fast._fn
     rows.append(("  same object, CuTe DSL call path",
                  lambda: dsl_fn(x, w, None, y, None, rstd, Float32(1e-6), cu_stream)))
+    # What the eager fast path (quack/fastpath.py) spends per call, part by part.
+    direct = kernel.direct(x.device.index, frozenset((0, 2, 3, 4)))
+    rows.append(("  direct launcher (the fast path's)", lambda: direct(x, w, None, y, None, rstd, 1e-6, None)))
+    from quack import fastpath
+
+    rows.append(("  fast path key (describe x, w, None)", lambda: fastpath.describe(x, w, None)))
+    rows.append(("  torch.empty_like(x)", lambda: torch.empty_like(x)))
     rows.append(("torch.add(x, x, out=y)", lambda: torch.add(x, x, out=y)))
     return rows
 
