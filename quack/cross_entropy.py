@@ -75,6 +75,10 @@ def backward_config(n: int, vec: int) -> RowConfig:
     return RowConfig(n, vec, threads, threads_per_row, tiles)
 
 
+# This op's eager fast path (quack/fastpath.py).
+_FAST = fastpath.Closures()
+
+
 @jit_cache("cross_entropy")
 def compile_cross_entropy_fwd(dtype: str, target_dtype: str, n: int, vec: int, reduction: str, backward: bool):
     """Compile the forward kernel for one static specialisation (M is symbolic).
@@ -141,7 +145,8 @@ def call_signature(logits, target, reduction: str, backward: bool) -> CrossEntro
     )
 
 
-def _launch_fwd(plan: Plan, logits, target, loss, lse, ignore_index, out=None, stats=None, counter=None) -> None:
+def _launch_fwd(plan: Plan, logits, target, loss, lse, out, stats, ignore_index) -> None:
+    counter = reduction_counter(logits.device) if out is not None else None
     plan.kernel("forward")(logits, target, loss, lse, out, stats, counter, ignore_index,
                            ti.current_stream(logits.device))
 
@@ -152,13 +157,22 @@ def _launch_bwd(plan: Plan, logits, target, lse, dloss, dx, ignore_index) -> Non
 
 # The registered ops, which torch.compile's graphs call: each takes its
 # plan from its own (real) tensors.
-@cute_op("quack::cross_entropy_fwd", mutates_args=("loss", "lse"))
+@cute_op("quack::cross_entropy_fwd", mutates_args=("loss", "lse", "out", "stats"))
 def _cross_entropy_fwd(
-    logits: torch.Tensor, target: torch.Tensor, loss: torch.Tensor, lse: torch.Tensor, ignore_index: int
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    loss: torch.Tensor,
+    lse: Optional[torch.Tensor],
+    out: Optional[torch.Tensor],
+    stats: Optional[torch.Tensor],
+    ignore_index: int,
+    reduction: str,
 ) -> None:
-    """Launch the forward kernel: (M, N) logits, (M,) target, loss and lse
-    (torch.compile's graphs reduce the rows with torch ops, which they fuse)."""
-    _launch_fwd(plan_for(call_signature(logits, target, "none", True)), logits, target, loss, lse, ignore_index)
+    """Launch the forward kernel: (M, N) logits, (M,) target and loss, lse
+    for a backward, and for a reduction its (1,) result and, for a
+    backward, its fp32 (sum, count)."""
+    plan = plan_for(call_signature(logits, target, reduction, lse is not None))
+    _launch_fwd(plan, logits, target, loss, lse, out, stats, ignore_index)
 
 
 @cute_op("quack::cross_entropy_bwd", mutates_args=("dx",))
@@ -169,9 +183,11 @@ def _cross_entropy_bwd(
     dloss: torch.Tensor,
     dx: torch.Tensor,
     ignore_index: int,
+    reduction: str,
 ) -> None:
-    """Launch the backward kernel: dloss is the (M,) fp32 gradient of each row's loss."""
-    plan = plan_for(call_signature(logits, target, "none", True))
+    """Launch the backward kernel: dloss is the (M,) fp32 gradient of each
+    row's loss (``reduction``: the forward's, for the call's plan)."""
+    plan = plan_for(call_signature(logits, target, reduction, True))
     _launch_bwd(plan, logits, target, lse, dloss, dx, ignore_index)
 
 
@@ -205,16 +221,16 @@ def check_targets_in_range(target: torch.Tensor, n: int, ignore_index: int) -> N
         )
 
 
-def cross_entropy_fwd(logits, target, ignore_index: int = -100, plan: Optional[Plan] = None):
+def cross_entropy_fwd(logits, target, ignore_index: int = -100, reduction: str = "none", backward: bool = True,
+                      plan: Optional[Plan] = None):
     """Allocate and run the forward: returns (loss, lse, reduced, stats).
 
-    loss: the (M,) fp32 row losses; lse: (M,) fp32 where a backward will
-    run, else None; reduced: the plan's reduction ("mean" or "sum") of the
-    losses, done by the kernel, a 0-dim tensor of the logits' dtype (None for
-    "none"); stats: that reduction's fp32 (sum, count) where a backward will
-    run.  ``plan``: the call's (eager); None goes through the registered op
-    (torch.compile, direct use), which stores lse and reduces nothing."""
-    reduction, backward = (plan.signature.reduction, plan.signature.backward) if plan is not None else ("none", True)
+    loss: the (M,) fp32 row losses; lse: (M,) fp32 for a ``backward``, else
+    None; reduced: the ``reduction`` ("mean" or "sum") of the losses, done by
+    the kernel, a 0-dim tensor of the logits' dtype (None for "none");
+    stats: that reduction's fp32 (sum, count) for a backward.  ``plan``: the
+    call's (eager); None goes through the registered op (torch.compile,
+    direct use)."""
     n, device = logits.shape[-1], logits.device
     x2 = ti.as_rows(logits, n)
     t1 = target.reshape(-1).contiguous()
@@ -223,20 +239,17 @@ def cross_entropy_fwd(logits, target, ignore_index: int = -100, plan: Optional[P
     lse = torch.empty(m, device=device, dtype=torch.float32) if backward else None
     reduced = stats = None
     if reduction != "none":
-        reduced = torch.empty((), device=device, dtype=logits.dtype)
+        reduced = torch.empty(1, device=device, dtype=logits.dtype)
         stats = torch.empty(2, device=device, dtype=torch.float32) if backward else None
     if m == 0:
         if reduced is not None and not is_compile_only():
             reduced.fill_(math.nan if reduction == "mean" else 0.0)  # as torch: the mean of no rows is NaN
             if stats is not None:
                 stats.zero_()
-    elif plan is None:
-        _cross_entropy_fwd(x2, t1, loss, lse, ignore_index)
     else:
-        counter = reduction_counter(device) if reduced is not None else None
-        _launch_fwd(plan, x2, t1, loss, lse, ignore_index, reduced.view(1) if reduced is not None else None, stats,
-                    counter)
-    return loss, lse, reduced, stats
+        args = (x2, t1, loss, lse, reduced, stats, ignore_index)
+        _launch_fwd(plan, *args) if plan is not None else _cross_entropy_fwd(*args, reduction)
+    return loss, lse, reduced.view(()) if reduced is not None else None, stats
 
 
 _COUNTERS: dict[tuple[int, int], torch.Tensor] = {}
@@ -260,26 +273,22 @@ def reduction_counter(device: torch.device) -> torch.Tensor:
     return counter
 
 
-def cross_entropy_bwd(logits, target, lse, dloss_rows, ignore_index: int = -100, plan: Optional[Plan] = None):
+def cross_entropy_bwd(logits, target, lse, dloss_rows, ignore_index: int = -100, reduction: str = "none",
+                      plan: Optional[Plan] = None):
     """Allocate dlogits and run the backward op; ``dloss_rows`` is the (M,)
-    gradient of each row's loss."""
+    gradient of each row's loss (``reduction``: the forward's)."""
     n = logits.shape[-1]
     x2 = ti.as_rows(logits, n)
     dx = torch.empty_like(logits)
     if x2.shape[0] > 0:
         args = (x2, target.reshape(-1).contiguous(), lse, dloss_rows.float().contiguous(), ti.as_rows(dx, n), ignore_index)
-        _launch_bwd(plan, *args) if plan is not None else _cross_entropy_bwd(*args)
+        _launch_bwd(plan, *args) if plan is not None else _cross_entropy_bwd(*args, reduction)
     return dx
 
 
-def _reduce(loss, target, ignore_index, reduction, dtype):
-    """Apply the reduction to the (M,) fp32 losses; returns (value, count)."""
-    if reduction == "none":
-        return loss.view(target.shape).to(dtype), None
-    if reduction == "sum":
-        return loss.sum().to(dtype), None
-    count = (target != ignore_index).sum()
-    return (loss.sum() / count).to(dtype), count
+def _rows_out(loss, target, dtype):
+    """reduction="none": the fp32 row losses shaped like the target, in the logits' dtype."""
+    return loss.view(target.shape).to(dtype)
 
 
 def _row_grads(dloss, m, reduction, count):
@@ -297,12 +306,9 @@ class _CrossEntropyFunction(torch.autograd.Function):
     def forward(ctx, logits, target, ignore_index, reduction, plan):
         # Kernels take plain tensors (DLPack refuses ones that require grad).
         logits = logits.detach()
-        loss, lse, reduced, stats = cross_entropy_fwd(logits, target, ignore_index, plan)
+        loss, lse, reduced, stats = cross_entropy_fwd(logits, target, ignore_index, reduction, True, plan)
         ctx.plan = plan
-        if reduced is not None:  # reduced by the kernel (eager)
-            out, count = reduced, stats[1]
-        else:
-            out, count = _reduce(loss, target, ignore_index, reduction, logits.dtype)
+        out, count = (reduced, stats[1]) if reduced is not None else (_rows_out(loss, target, logits.dtype), None)
         ctx.save_for_backward(logits, target, lse, count)
         ctx.ignore_index, ctx.reduction = ignore_index, reduction
         return out
@@ -311,7 +317,7 @@ class _CrossEntropyFunction(torch.autograd.Function):
     def backward(ctx, dout):
         logits, target, lse, count = ctx.saved_tensors
         g = _row_grads(dout, lse.shape[0], ctx.reduction, count)
-        dx = cross_entropy_bwd(logits, target, lse, g, ctx.ignore_index, ctx.plan)
+        dx = cross_entropy_bwd(logits, target, lse, g, ctx.ignore_index, ctx.reduction, ctx.plan)
         return dx, None, None, None, None
 
 
@@ -342,7 +348,7 @@ def cross_entropy(
         check_targets = _check_env()
     if not check_targets:
         key = fastpath.describe(logits, target, ignore_index, _reduction_code(reduction))
-        loss = fastpath.call(key, logits, target, ignore_index)
+        loss = _FAST.call(key, logits, target, ignore_index)
         if loss is not NotImplemented:
             return loss
     else:
@@ -363,11 +369,11 @@ def cross_entropy(
     if backward:
         return _CrossEntropyFunction.apply(logits, target, ignore_index, reduction, plan)
     with torch.no_grad():
-        loss, _, reduced, _ = cross_entropy_fwd(logits, target, ignore_index, plan)
-        loss = reduced if reduced is not None else _reduce(loss, target, ignore_index, reduction, logits.dtype)[0]
+        loss, _, reduced, _ = cross_entropy_fwd(logits, target, ignore_index, reduction, False, plan)
+        loss = reduced if reduced is not None else _rows_out(loss, target, logits.dtype)
     stores_for_backward = plan is not None and plan.signature.backward
     if reduced is not None and logits.numel() > 0 and not stores_for_backward:
-        fastpath.remember(key, lambda: _inference_closure(plan, logits, target))
+        _FAST.remember(key, lambda: _inference_closure(plan, logits, target))
     return differentiable_outputs(loss, stores_for_backward)
 
 

@@ -11,7 +11,7 @@ allocate the outputs, launch through a C launcher that reads the tensors
 and torch's current stream itself, return.  Nothing else runs per call.
 
 Not taken (the full path runs): while torch.compile traces, in compile-only
-mode, without the C launcher, for a tensor subclass or a float option, and
+mode, while calls are recorded (``QUACK_CACHE_RECORD``), without the C launcher, for a tensor subclass or a float option, and
 when another CUDA device is current (the closure returns NotImplemented and
 the full path guards the device).
 """
@@ -19,18 +19,19 @@ the full path guards the device).
 from __future__ import annotations
 
 import functools
+import os
 from typing import Any, Callable, Optional
 
 import torch
 
-from quack.cache import launcher
+from quack.cache import launcher, manifest
 from quack.cache.mode import compile_only_active
 
 # A bound on the closures kept (each description is one shape; a process that
 # sees more distinct calls than this starts over).
 MAX_CLOSURES = 4096
 
-_CLOSURES: dict[bytes, Callable[..., Any]] = {}
+_TABLES: list["Closures"] = []
 
 
 @functools.lru_cache(maxsize=None)
@@ -47,31 +48,44 @@ def _describer() -> Optional[Callable[..., Any]]:
 def describe(*args: Any) -> Optional[bytes]:
     """The fast path's key of an eager call on ``args`` (tensors, None, bools,
     ints), or None where the fast path does not apply."""
-    if torch.compiler.is_compiling() or compile_only_active():
+    if torch.compiler.is_compiling() or compile_only_active() or manifest.RECORD_ENV in os.environ:
         return None
     describer = _describer()
     return describer(torch.is_grad_enabled(), *args) if describer is not None else None
 
 
-def call(key: Optional[bytes], *args: Any) -> Any:
-    """Run the launch closure of an earlier call with this description on
-    ``args``; NotImplemented where there is none or it declined (the caller
-    then takes the full path)."""
-    run = _CLOSURES.get(key) if key is not None else None
-    return run(*args) if run is not None else NotImplemented
+class Closures:
+    """One op's launch closures, by call description (each op has its own:
+    two ops' calls on the same tensors describe alike)."""
 
+    def __init__(self) -> None:
+        self._by_key: dict[bytes, Callable[..., Any]] = {}
+        _TABLES.append(self)
 
-def remember(key: Optional[bytes], make: Callable[[], Optional[Callable[..., Any]]]) -> None:
-    """Keep ``make()``'s closure for calls described by ``key`` (nothing when
-    ``key`` is None or ``make`` returns None: no direct launcher exists)."""
-    if key is None or key in _CLOSURES:
-        return
-    run = make()
-    if run is None:
-        return
-    if len(_CLOSURES) >= MAX_CLOSURES:
-        _CLOSURES.clear()
-    _CLOSURES[key] = run
+    def call(self, key: Optional[bytes], *args: Any) -> Any:
+        """Run the launch closure of an earlier call with this description on
+        ``args``; NotImplemented where there is none or it declined (the
+        caller then takes the full path)."""
+        run = self._by_key.get(key) if key is not None else None
+        return run(*args) if run is not None else NotImplemented
+
+    def remember(self, key: Optional[bytes], make: Callable[[], Optional[Callable[..., Any]]]) -> None:
+        """Keep ``make()``'s closure for calls described by ``key`` (nothing
+        when ``key`` is None or ``make`` returns None: no direct launcher)."""
+        if key is None or key in self._by_key:
+            return
+        run = make()
+        if run is None:
+            return
+        if len(self._by_key) >= MAX_CLOSURES:
+            self._by_key.clear()
+        self._by_key[key] = run
+
+    def __len__(self) -> int:
+        return len(self._by_key)
+
+    def clear(self) -> None:
+        self._by_key.clear()
 
 
 def direct(plan, role: str, device: torch.device, rows: frozenset[int] = frozenset()):
@@ -83,5 +97,7 @@ def direct(plan, role: str, device: torch.device, rows: frozenset[int] = frozens
 
 
 def clear() -> None:
-    """Forget every closure (tests that change the cache's knobs)."""
-    _CLOSURES.clear()
+    """Forget every op's closures (``quack.cache.clear``, ``quack.plan.clear``:
+    they hold loaded kernels)."""
+    for table in _TABLES:
+        table.clear()

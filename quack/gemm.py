@@ -71,6 +71,10 @@ def gemm_config(n: int, rows_per_group: Optional[float] = None) -> GemmConfig:
     return GemmConfig(tile_n=tile_n)
 
 
+# This op's eager fast path (quack/fastpath.py).
+_FAST = fastpath.Closures()
+
+
 @jit_cache("gemm")
 def compile_gemm(ab_dtype: str, d_dtype: str, b_n_major: bool, varlen: bool, config: tuple):
     """Compile one configuration; every dimension is symbolic."""
@@ -225,7 +229,7 @@ def gemm(A: torch.Tensor, B: torch.Tensor, out_dtype: Optional[torch.dtype] = No
     malformed cu_seqlens_m gives wrong rows, never an access outside A or D.
     """
     key = fastpath.describe(A, B, cu_seqlens_m, _OUT_DTYPE_CODES.get(out_dtype, -1))
-    out = fastpath.call(key, A, B, out_dtype)
+    out = _FAST.call(key, A, B, out_dtype)
     if out is not NotImplemented:
         return out
     _check_operand("A", A, None)
@@ -258,7 +262,7 @@ def gemm(A: torch.Tensor, B: torch.Tensor, out_dtype: Optional[torch.dtype] = No
         plan = plan_for(call_signature(a, b3, out, cu, b_n_major))
         _run(plan, a, b3, out, cu)
         if cu is None and a is A and b3.data_ptr() == B.data_ptr():  # views, no copies
-            fastpath.remember(key, lambda: _dense_closure(plan, b3, out))
+            _FAST.remember(key, lambda: _dense_closure(plan, b3, out))
     return out
 
 

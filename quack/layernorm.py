@@ -40,6 +40,10 @@ def _fake_param(dtype: Optional[str], n: int, vec: int):
     return rowwise.fake_vector(ti.cute_dtype(dtype), n, vec) if dtype else None
 
 
+# This op's eager fast path (quack/fastpath.py).
+_FAST = fastpath.Closures()
+
+
 @jit_cache("layernorm")
 def compile_layernorm_fwd(
     dtype: str, weight_dtype: Optional[str], bias_dtype: Optional[str], n: int, vec: int,
@@ -258,7 +262,7 @@ def layernorm(x, weight=None, bias=None, eps: float = 1e-5):
     shape or layout, before any launch.
     """
     key = fastpath.describe(x, weight, bias)
-    y = fastpath.call(key, x, weight, bias, eps)
+    y = _FAST.call(key, x, weight, bias, eps)
     if y is not NotImplemented:
         return y
     _validate(x, weight, bias)
@@ -277,7 +281,7 @@ def layernorm(x, weight=None, bias=None, eps: float = 1e-5):
         stats = plan is not None and plan.signature.backward
         y = layernorm_fwd(x, weight, bias, eps, store_stats=stats, plan=plan)[0]
     if x.numel() > 0 and not stats:
-        fastpath.remember(key, lambda: _inference_closure(plan, x.device))
+        _FAST.remember(key, lambda: _inference_closure(plan, x.device))
     return differentiable_outputs(y, stats)
 
 

@@ -170,6 +170,10 @@ def signature_class(op: str) -> type:
 
 
 def clear() -> None:
-    """Forget every plan (tests that change the cache's knobs)."""
+    """Forget every plan, and the fast path's closures built from them
+    (tests that change the cache's knobs)."""
+    from quack import fastpath
+
     with _LOCK:
         _PLANS.clear()
+    fastpath.clear()

@@ -35,6 +35,10 @@ from quack.rowwise import backward_config, forward_config
 MAX_N = 262144
 
 
+# This op's eager fast path (quack/fastpath.py).
+_FAST = fastpath.Closures()
+
+
 @jit_cache("rmsnorm")
 def compile_rmsnorm_fwd(
     dtype: str, weight_dtype: Optional[str], has_residual: bool, n: int, vec: int, store_rstd: bool = True
@@ -244,7 +248,7 @@ def rmsnorm(x, weight=None, eps: float = 1e-6, residual=None):
     dtype and ValueError for a wrong device, shape or layout.
     """
     key = fastpath.describe(x, weight, residual)
-    result = fastpath.call(key, x, weight, residual, eps)
+    result = _FAST.call(key, x, weight, residual, eps)
     if result is not NotImplemented:
         return result
     _validate(x, weight, residual)
@@ -263,7 +267,7 @@ def rmsnorm(x, weight=None, eps: float = 1e-6, residual=None):
     with torch.no_grad():
         y, h, _ = rmsnorm_fwd(x, weight, residual, eps, store_rstd=store_rstd, plan=plan)
     if x.numel() > 0 and not store_rstd:
-        fastpath.remember(key, lambda: _inference_closure(plan, x.device, residual is not None))
+        _FAST.remember(key, lambda: _inference_closure(plan, x.device, residual is not None))
     return differentiable_outputs((y, h) if residual is not None else y, store_rstd)
 
 

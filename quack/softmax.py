@@ -33,6 +33,10 @@ from quack.softmax_kernels import SoftmaxBackward, SoftmaxForward
 MAX_N = 262144
 
 
+# This op's eager fast path (quack/fastpath.py).
+_FAST = fastpath.Closures()
+
+
 @jit_cache("softmax")
 def compile_softmax_fwd(dtype: str, n: int, vec: int):
     """Compile the forward kernel for one static specialisation (M is symbolic)."""
@@ -162,7 +166,7 @@ def softmax(x: torch.Tensor) -> torch.Tensor:
     ValueError for a wrong device, shape or layout, before any launch.
     """
     key = fastpath.describe(x)
-    y = fastpath.call(key, x)
+    y = _FAST.call(key, x)
     if y is not NotImplemented:
         return y
     _validate(x)
@@ -181,7 +185,7 @@ def softmax(x: torch.Tensor) -> torch.Tensor:
         y = softmax_fwd(x, plan)
     stores_for_backward = plan is not None and plan.signature.backward
     if x.numel() > 0 and not stores_for_backward:
-        fastpath.remember(key, lambda: _inference_closure(plan, x.device))
+        _FAST.remember(key, lambda: _inference_closure(plan, x.device))
     return differentiable_outputs(y, stores_for_backward)
 
 

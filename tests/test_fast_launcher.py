@@ -490,16 +490,19 @@ def test_fast_launcher_direct_only_after_its_first_call(fastlaunch, monkeypatch)
     assert isinstance(direct, fastlaunch.Launcher)
 
 
-def test_closures_are_kept_per_description_and_bounded(monkeypatch):
-    monkeypatch.setattr(fastpath, "_CLOSURES", {})
-    assert fastpath.call(None, 1) is NotImplemented
-    assert fastpath.call(b"k", 1) is NotImplemented
-    fastpath.remember(b"k", lambda: (lambda v: v + 1))
-    assert fastpath.call(b"k", 1) == 2
-    fastpath.remember(b"none", lambda: None)  # no direct launcher: nothing kept
-    assert fastpath.call(b"none", 1) is NotImplemented
-    fastpath.remember(None, lambda: pytest.fail("a None key builds nothing"))
+def test_closures_are_kept_per_op_and_description_and_bounded(monkeypatch):
+    table, other = fastpath.Closures(), fastpath.Closures()
+    assert table.call(None, 1) is NotImplemented
+    assert table.call(b"k", 1) is NotImplemented
+    table.remember(b"k", lambda: (lambda v: v + 1))
+    assert table.call(b"k", 1) == 2
+    assert other.call(b"k", 1) is NotImplemented  # another op's calls on the same tensors
+    table.remember(b"none", lambda: None)  # no direct launcher: nothing kept
+    assert table.call(b"none", 1) is NotImplemented
+    table.remember(None, lambda: pytest.fail("a None key builds nothing"))
     monkeypatch.setattr(fastpath, "MAX_CLOSURES", 2)
-    fastpath.remember(b"a", lambda: (lambda: 0))
-    fastpath.remember(b"b", lambda: (lambda: 0))
-    assert set(fastpath._CLOSURES) == {b"b"}  # the table started over
+    table.remember(b"a", lambda: (lambda: 0))
+    table.remember(b"b", lambda: (lambda: 0))
+    assert len(table) == 1  # the table started over at its bound
+    fastpath.clear()  # quack.cache.clear() and quack.plan.clear() forget every op's closures
+    assert len(table) == 0

@@ -23,6 +23,7 @@ import contextlib
 import functools
 import inspect
 import logging
+import sys
 import tempfile
 import threading
 import time
@@ -371,7 +372,7 @@ def _miss_message(req: Request) -> str:
 
 
 def clear(*, disk: bool = False) -> None:
-    """Forget in-process handles, warnings and stats (not the source hashes
+    """Forget in-process handles (the ops' fast-path closures too), warnings and stats (not the source hashes
     of imported modules: they describe the code this process runs).
 
     With ``disk=True`` also delete every entry of the current writable layer.
@@ -382,5 +383,8 @@ def clear(*, disk: bool = False) -> None:
         _ENSURED.clear()
         _WARNED.clear()
     stats.reset()
+    fastpath = sys.modules.get("quack.fastpath")  # the ops' closures hold loaded handles
+    if fastpath is not None:
+        fastpath.clear()
     if disk:
         remove_entries(Layer(read_config().writable_dir, "writable", True))
