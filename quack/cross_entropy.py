@@ -146,7 +146,10 @@ def call_signature(logits, target, reduction: str, backward: bool) -> CrossEntro
 
 
 def _launch_fwd(plan: Plan, logits, target, loss, lse, out, stats, ignore_index) -> None:
-    counter = reduction_counter(logits.device) if out is not None else None
+    """``loss`` None with a reduction: the row losses go to the stream's scratch."""
+    counter = None
+    if out is not None:
+        counter, loss = reduction_scratch(logits.device, logits.shape[0])
     plan.kernel("forward")(logits, target, loss, lse, out, stats, counter, ignore_index,
                            ti.current_stream(logits.device))
 
@@ -161,16 +164,17 @@ def _launch_bwd(plan: Plan, logits, target, lse, dloss, dx, ignore_index) -> Non
 def _cross_entropy_fwd(
     logits: torch.Tensor,
     target: torch.Tensor,
-    loss: torch.Tensor,
+    loss: Optional[torch.Tensor],
     lse: Optional[torch.Tensor],
     out: Optional[torch.Tensor],
     stats: Optional[torch.Tensor],
     ignore_index: int,
     reduction: str,
 ) -> None:
-    """Launch the forward kernel: (M, N) logits, (M,) target and loss, lse
-    for a backward, and for a reduction its (1,) result and, for a
-    backward, its fp32 (sum, count)."""
+    """Launch the forward kernel: (M, N) logits, (M,) target, the (M,) row
+    losses (None for a reduction: they go to scratch), lse for a backward,
+    and for a reduction its (1,) result and, for a backward, its fp32 (sum,
+    count)."""
     plan = plan_for(call_signature(logits, target, reduction, lse is not None))
     _launch_fwd(plan, logits, target, loss, lse, out, stats, ignore_index)
 
@@ -225,9 +229,10 @@ def cross_entropy_fwd(logits, target, ignore_index: int = -100, reduction: str =
                       plan: Optional[Plan] = None):
     """Allocate and run the forward: returns (loss, lse, reduced, stats).
 
-    loss: the (M,) fp32 row losses; lse: (M,) fp32 for a ``backward``, else
-    None; reduced: the ``reduction`` ("mean" or "sum") of the losses, done by
-    the kernel, a 0-dim tensor of the logits' dtype (None for "none");
+    loss: the (M,) fp32 row losses for reduction "none" (else None); lse:
+    (M,) fp32 for a ``backward``, else None; reduced: the ``reduction``
+    ("mean" or "sum") of the losses, done by the kernel, a 0-dim tensor of
+    the logits' dtype (None for "none");
     stats: that reduction's fp32 (sum, count) for a backward.  ``plan``: the
     call's (eager); None goes through the registered op (torch.compile,
     direct use)."""
@@ -235,7 +240,7 @@ def cross_entropy_fwd(logits, target, ignore_index: int = -100, reduction: str =
     x2 = ti.as_rows(logits, n)
     t1 = target.reshape(-1).contiguous()
     m = x2.shape[0]
-    loss = torch.empty(m, device=device, dtype=torch.float32)
+    loss = torch.empty(m, device=device, dtype=torch.float32) if reduction == "none" else None
     lse = torch.empty(m, device=device, dtype=torch.float32) if backward else None
     reduced = stats = None
     if reduction != "none":
@@ -252,25 +257,29 @@ def cross_entropy_fwd(logits, target, ignore_index: int = -100, reduction: str =
     return loss, lse, reduced.view(()) if reduced is not None else None, stats
 
 
-_COUNTERS: dict[tuple[int, int], torch.Tensor] = {}
+_SCRATCH: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
 
-def reduction_counter(device: torch.device) -> torch.Tensor:
-    """The zeroed int32 a reducing forward takes its CTAs' tickets from (the
-    last CTA zeroes it again).  One per device and stream, since launches on
-    one stream run one after another; a fresh one while a CUDA graph is
-    captured (the graph's own, zeroed on each replay), and in compile-only
-    mode.  A stream destroyed while a reducing forward is queued on it must
-    not be followed by a new stream with the same handle on the same device
-    before that forward ends (torch's pooled streams never are)."""
+def reduction_scratch(device: torch.device, m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(counter, rows) for a reducing forward of M rows: the zeroed int32
+    its CTAs take their tickets from (the last CTA zeroes it again) and the
+    (M,) fp32 room for the row losses it sums.  One pair per device and
+    stream, since launches on one stream run one after another (rows
+    reallocated when M changes; the caching allocator hands a freed block
+    only to later work of the same stream); fresh ones while a CUDA graph is
+    captured (the graph's own) and in compile-only mode.  A stream destroyed
+    with a reducing forward still queued must not be followed, before that
+    forward ends, by a new stream with the same handle on the same device
+    (torch's pooled streams never are)."""
     if is_compile_only() or torch.cuda.is_current_stream_capturing():
-        return torch.zeros(1, device=device, dtype=torch.int32)
+        return torch.zeros(1, device=device, dtype=torch.int32), torch.empty(m, device=device, dtype=torch.float32)
     index = device.index if device.index is not None else torch.cuda.current_device()
     key = (index, torch._C._cuda_getCurrentRawStream(index))
-    counter = _COUNTERS.get(key)
-    if counter is None:
-        counter = _COUNTERS[key] = torch.zeros(1, device=device, dtype=torch.int32)
-    return counter
+    scratch = _SCRATCH.get(key)
+    if scratch is None or scratch[1].shape[0] != m:
+        counter = scratch[0] if scratch is not None else torch.zeros(1, device=device, dtype=torch.int32)
+        scratch = _SCRATCH[key] = (counter, torch.empty(m, device=device, dtype=torch.float32))
+    return scratch
 
 
 def cross_entropy_bwd(logits, target, lse, dloss_rows, ignore_index: int = -100, reduction: str = "none",
@@ -390,11 +399,10 @@ def _inference_closure(plan: Plan, logits: torch.Tensor, target: torch.Tensor):
     empty = torch.empty
 
     def run(logits, target, ignore_index):
-        loss = empty(m, device=device, dtype=torch.float32)
         out = empty((), device=device, dtype=dtype)
         t = target if flat_target else target.reshape(-1).contiguous()
-        counter = reduction_counter(device)
-        return out if launch(logits, t, loss, None, out, None, counter, ignore_index, None) is None else NotImplemented
+        counter, rows = reduction_scratch(device, m)
+        return out if launch(logits, t, rows, None, out, None, counter, ignore_index, None) is None else NotImplemented
 
     return run
 

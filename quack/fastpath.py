@@ -11,9 +11,12 @@ allocate the outputs, launch through a C launcher that reads the tensors
 and torch's current stream itself, return.  Nothing else runs per call.
 
 Not taken (the full path runs): while torch.compile traces, in compile-only
-mode, while calls are recorded (``QUACK_CACHE_RECORD``), without the C launcher, for a tensor subclass or a float option, and
+mode, without the C launcher, for a tensor subclass or a float option, and
 when another CUDA device is current (the closure returns NotImplemented and
-the full path guards the device).
+the full path guards the device).  No closure is kept while calls are
+recorded (``QUACK_CACHE_RECORD``, read when a closure would be kept, not on
+every call): set it before the process's first call, as ``QUACK_CACHE_RECORD=FILE
+<job>`` does, or a call already on the fast path is not recorded again.
 """
 
 from __future__ import annotations
@@ -45,13 +48,17 @@ def _describer() -> Optional[Callable[..., Any]]:
     return module.describe
 
 
+_is_compiling, _grad_enabled = torch.compiler.is_compiling, torch.is_grad_enabled
+
+
 def describe(*args: Any) -> Optional[bytes]:
     """The fast path's key of an eager call on ``args`` (tensors, None, bools,
-    ints), or None where the fast path does not apply."""
-    if torch.compiler.is_compiling() or compile_only_active() or manifest.RECORD_ENV in os.environ:
+    ints), or None where the fast path does not apply.  Runs on every call:
+    a few attribute reads, no environment lookup."""
+    if _is_compiling() or compile_only_active():
         return None
     describer = _describer()
-    return describer(torch.is_grad_enabled(), *args) if describer is not None else None
+    return describer(_grad_enabled(), *args) if describer is not None else None
 
 
 class Closures:
@@ -71,8 +78,9 @@ class Closures:
 
     def remember(self, key: Optional[bytes], make: Callable[[], Optional[Callable[..., Any]]]) -> None:
         """Keep ``make()``'s closure for calls described by ``key`` (nothing
-        when ``key`` is None or ``make`` returns None: no direct launcher)."""
-        if key is None or key in self._by_key:
+        when ``key`` is None, while calls are recorded, or when ``make``
+        returns None: no direct launcher)."""
+        if key is None or key in self._by_key or manifest.RECORD_ENV in os.environ:
             return
         run = make()
         if run is None:
