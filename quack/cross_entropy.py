@@ -31,18 +31,15 @@ import math
 import os
 from typing import ClassVar, Optional
 
-import cutlass.cute as cute
 import torch
-from cutlass import Float32, Int32
 
-from quack import fastpath, rowwise
+from quack import fastpath
 from quack import torch_interop as ti
 from quack.cache import compile_options, jit_cache
 from quack.compile_only import differentiable_outputs, is_compile_only
-from quack.cross_entropy_kernels import CrossEntropyBackward, CrossEntropyForward
 from quack.cute_op import cute_op
 from quack.plan import Kernel, Plan, Signature, plan_for, signature
-from quack.rowwise import RowConfig, forward_config
+from quack.row_config import RowConfig, forward_config
 
 MAX_N = 262144
 REDUCTIONS = ("mean", "sum", "none")
@@ -60,7 +57,6 @@ CHECK_TARGETS_ENV = "QUACK_CHECK_TARGETS"
 BACKWARD_VALUES_PER_THREAD = 32
 BACKWARD_THREADS = 256
 
-_CUTE_INT = {"int32": cute.Int32, "int64": cute.Int64}
 
 
 def backward_config(n: int, vec: int) -> RowConfig:
@@ -79,12 +75,25 @@ def backward_config(n: int, vec: int) -> RowConfig:
 _FAST = fastpath.Closures()
 
 
+def _cute_int(name: str):
+    """The CuTe DSL integer type of a target dtype name (compile time only)."""
+    import cutlass
+
+    return {"int32": cutlass.Int32, "int64": cutlass.Int64}[name]
+
+
 @jit_cache("cross_entropy")
 def compile_cross_entropy_fwd(dtype: str, target_dtype: str, n: int, vec: int, reduction: str, backward: bool):
     """Compile the forward kernel for one static specialisation (M is symbolic).
     ``reduction`` "mean"/"sum": the kernel also reduces the row losses (to one
     value of the logits' dtype) and, for a ``backward``, writes the fp32
     (sum, count); "none" writes the rows only.  ``backward``: store lse."""
+    import cutlass.cute as cute
+    from cutlass import Float32, Int32
+
+    from quack import rowwise
+    from quack.cross_entropy_kernels import CrossEntropyForward
+
     dt = ti.cute_dtype(dtype)
     cfg = forward_config(n, vec)
     m = cute.sym_int()
@@ -95,7 +104,7 @@ def compile_cross_entropy_fwd(dtype: str, target_dtype: str, n: int, vec: int, r
     counter = rowwise.fake_vector(Int32, 1) if reducing else None
     return cute.compile(
         CrossEntropyForward(cfg, reduction if reducing else None), rowwise.fake_rows(dt, m, n, vec),
-        rowwise.fake_vector(_CUTE_INT[target_dtype], m), rowwise.fake_vector(Float32, m), lse, out, stats, counter,
+        rowwise.fake_vector(_cute_int(target_dtype), m), rowwise.fake_vector(Float32, m), lse, out, stats, counter,
         Int32(-100), cute.runtime.make_fake_stream(), options=compile_options(),
     )
 
@@ -103,12 +112,18 @@ def compile_cross_entropy_fwd(dtype: str, target_dtype: str, n: int, vec: int, r
 @jit_cache("cross_entropy")
 def compile_cross_entropy_bwd(dtype: str, target_dtype: str, n: int, vec: int):
     """Compile the backward kernel (the logits and their gradient share a dtype)."""
+    import cutlass.cute as cute
+    from cutlass import Float32, Int32
+
+    from quack import rowwise
+    from quack.cross_entropy_kernels import CrossEntropyBackward
+
     dt = ti.cute_dtype(dtype)
     cfg = backward_config(n, vec)
     m = cute.sym_int()
     return cute.compile(
         CrossEntropyBackward(cfg), rowwise.fake_rows(dt, m, n, vec),
-        rowwise.fake_vector(_CUTE_INT[target_dtype], m), rowwise.fake_vector(Float32, m),
+        rowwise.fake_vector(_cute_int(target_dtype), m), rowwise.fake_vector(Float32, m),
         rowwise.fake_vector(Float32, m), rowwise.fake_rows(dt, m, n, vec), Int32(-100),
         cute.runtime.make_fake_stream(), options=compile_options(),
     )

@@ -33,9 +33,7 @@ from __future__ import annotations
 
 from typing import ClassVar, NamedTuple, Optional
 
-import cutlass.cute as cute
 import torch
-from cutlass import Int32
 
 from quack import fastpath, occupancy
 from quack import torch_interop as ti
@@ -43,7 +41,7 @@ from quack.cache import compile_options, jit_cache
 from quack.compile_only import is_compile_only
 from quack.cute_op import cute_op
 from quack.plan import Kernel, Plan, Signature, plan_for, signature
-from quack.gemm_kernels import HopperGemm, cta_threads
+from quack.gemm_threads import cta_threads
 
 INPUT_DTYPES = (torch.bfloat16, torch.float16)
 _ALIGN_ELEMENTS = 8  # 16 bytes of a 16-bit dtype
@@ -78,6 +76,11 @@ _FAST = fastpath.Closures()
 @jit_cache("gemm")
 def compile_gemm(ab_dtype: str, d_dtype: str, b_n_major: bool, varlen: bool, config: tuple):
     """Compile one configuration; every dimension is symbolic."""
+    import cutlass.cute as cute
+    from cutlass import Int32
+
+    from quack.gemm_kernels import HopperGemm
+
     cfg = GemmConfig(*config)
     ab, dt = ti.cute_dtype(ab_dtype), ti.cute_dtype(d_dtype)
     m, n, k, groups = cute.sym_int(), cute.sym_int(), cute.sym_int(), cute.sym_int()

@@ -34,8 +34,8 @@ from cutlass import Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warp, warpgroup
 
 from quack.gemm_schedule import find_group, first_cursor, tile_in_group
+from quack.gemm_threads import THREADS_PER_WARPGROUP, cta_threads
 
-THREADS_PER_WARPGROUP = 128
 PRODUCER_REGISTERS = 40
 CONSUMER_REGISTERS = 232
 TILE_K = 64
@@ -43,11 +43,6 @@ EPILOGUE_N = 32  # columns per epilogue subtile
 EPILOGUE_BUFFERS = 4
 BARRIER_BYTES = 1024  # mbarriers, with the padding to the operands' 1024-byte alignment
 EPILOGUE_BARRIER_ID = 1
-
-
-def cta_threads(tile_m: int) -> int:
-    """Threads of a CTA: the producer warpgroup and one consumer per 64 rows."""
-    return THREADS_PER_WARPGROUP * (1 + tile_m // 64)
 
 
 class HopperGemm:

@@ -18,19 +18,16 @@ from __future__ import annotations
 
 from typing import ClassVar, Optional
 
-import cutlass.cute as cute
 import torch
-from cutlass import Float32, Int32
 
-from quack import fastpath, rowwise
+from quack import fastpath
 from quack import torch_interop as ti
 from quack.cache import compile_options, jit_cache
 from quack.compile_only import differentiable_outputs, is_compile_only
 from quack.cute_op import cute_op
+from quack.norm_backward_plan import grid_clusters
 from quack.plan import Kernel, Plan, Signature, plan_for, signature
-from quack.norm_backward import NormBackward, grid_clusters
-from quack.rmsnorm_kernels import RMSNormForward
-from quack.rowwise import backward_config, forward_config
+from quack.row_config import backward_config, forward_config
 
 MAX_N = 262144
 
@@ -45,6 +42,12 @@ def compile_rmsnorm_fwd(
 ):
     """Compile the forward kernel for one static specialisation (M is symbolic).
     ``store_rstd``: write 1/rms per row for a backward pass (not needed for inference)."""
+    import cutlass.cute as cute
+    from cutlass import Float32
+
+    from quack import rowwise
+    from quack.rmsnorm_kernels import RMSNormForward
+
     dt = ti.cute_dtype(dtype)
     cfg = forward_config(n, vec)
     m = cute.sym_int()
@@ -61,6 +64,12 @@ def compile_rmsnorm_fwd(
 @jit_cache("rmsnorm")
 def compile_rmsnorm_bwd(dtype: str, weight_dtype: Optional[str], has_dh_out: bool, n: int, vec: int):
     """Compile the backward kernel (dw partials are written whenever a weight is given)."""
+    import cutlass.cute as cute
+    from cutlass import Float32, Int32
+
+    from quack import rowwise
+    from quack.norm_backward import NormBackward
+
     cfg = backward_config(n, vec)
     dt = ti.cute_dtype(dtype)
     m = cute.sym_int()

@@ -18,17 +18,15 @@ from __future__ import annotations
 
 from typing import ClassVar, Optional
 
-import cutlass.cute as cute
 import torch
 
-from quack import fastpath, rowwise
+from quack import fastpath
 from quack import torch_interop as ti
 from quack.cache import compile_options, jit_cache
 from quack.compile_only import differentiable_outputs, is_compile_only
 from quack.cute_op import cute_op
 from quack.plan import Kernel, Plan, Signature, plan_for, signature
-from quack.rowwise import backward_config, forward_config
-from quack.softmax_kernels import SoftmaxBackward, SoftmaxForward
+from quack.row_config import backward_config, forward_config
 
 MAX_N = 262144
 
@@ -40,6 +38,11 @@ _FAST = fastpath.Closures()
 @jit_cache("softmax")
 def compile_softmax_fwd(dtype: str, n: int, vec: int):
     """Compile the forward kernel for one static specialisation (M is symbolic)."""
+    import cutlass.cute as cute
+
+    from quack import rowwise
+    from quack.softmax_kernels import SoftmaxForward
+
     dt = ti.cute_dtype(dtype)
     cfg = forward_config(n, vec)
     m = cute.sym_int()
@@ -52,6 +55,11 @@ def compile_softmax_fwd(dtype: str, n: int, vec: int):
 @jit_cache("softmax")
 def compile_softmax_bwd(dtype: str, n: int, vec: int):
     """Compile the backward kernel (y, dy and dx share one dtype)."""
+    import cutlass.cute as cute
+
+    from quack import rowwise
+    from quack.softmax_kernels import SoftmaxBackward
+
     dt = ti.cute_dtype(dtype)
     cfg = backward_config(n, vec)
     m = cute.sym_int()

@@ -9,14 +9,11 @@ from __future__ import annotations
 import math
 
 import torch
-from cutlass import BFloat16, Float16, Float32
-
-from quack import rowwise
+from quack import row_config
 from quack.compile_only import is_compile_only
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
-_CUTE_DTYPES = {"float32": Float32, "float16": Float16, "bfloat16": BFloat16}
 _ELEMENT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 _DTYPE_NAMES = {d: str(d).removeprefix("torch.") for d in (*FLOAT_DTYPES, torch.int32, torch.int64)}
 _FakeTensor = torch._subclasses.fake_tensor.FakeTensor
@@ -35,14 +32,17 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def cute_dtype(name: str):
-    """CuTe DSL numeric type for a key dtype name."""
-    return _CUTE_DTYPES[name]
+    """CuTe DSL numeric type for a key dtype name (compile time only: the
+    DSL is imported here, never by a call that loads cached objects)."""
+    import cutlass
+
+    return {"float32": cutlass.Float32, "float16": cutlass.Float16, "bfloat16": cutlass.BFloat16}[name]
 
 
 def vector_width(n: int, x: torch.Tensor, *others: torch.Tensor | None) -> int:
     """Elements per vector copy of x's rows that every tensor of the launch
     (None entries skipped) can use: 16 bytes of x's dtype when N and every
-    base pointer allow it, fewer otherwise (see rowwise.vector_width)."""
+    base pointer allow it, fewer otherwise (see row_config.vector_width)."""
     present = (x, *(t for t in others if t is not None))
     if not is_compile_only():
         # The usual case, cheaply: real tensors, every base 16-byte aligned.
@@ -51,13 +51,13 @@ def vector_width(n: int, x: torch.Tensor, *others: torch.Tensor | None) -> int:
             addresses |= t.data_ptr()
         if not addresses & 15:
             return math.gcd(n, 16 // x.element_size())
-    return rowwise.vector_width(n, x.element_size(), *((address(t), t.element_size()) for t in present))
+    return row_config.vector_width(n, x.element_size(), *((address(t), t.element_size()) for t in present))
 
 
 def full_width(n: int, dtype: str) -> int:
     """The vector width of rows of N ``dtype`` values whose tensors are all
     16-byte aligned (``aligned``): what a backward kernel is compiled for."""
-    return rowwise.vector_width(n, _ELEMENT_BYTES[dtype])
+    return row_config.vector_width(n, _ELEMENT_BYTES[dtype])
 
 
 def aligned(t: torch.Tensor | None) -> torch.Tensor | None:

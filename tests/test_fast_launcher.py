@@ -506,3 +506,33 @@ def test_closures_are_kept_per_op_and_description_and_bounded(monkeypatch):
     assert len(table) == 1  # the table started over at its bound
     fastpath.clear()  # quack.cache.clear() and quack.plan.clear() forget every op's closures
     assert len(table) == 0
+
+
+RUN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t)
+
+
+@pytest.mark.parametrize("with_c", [True, False], ids=["C", "ctypes"])
+def test_objects_the_runtime_loaded_launch_through_function_run(fastlaunch, monkeypatch, with_c):
+    """quack/cache/native.py's C-loader path: no DSL call, ``Function_Run(handle,
+    pointers, count)`` with the status's address last, its error raised."""
+    _use_module(monkeypatch, fastlaunch if with_c else None)
+    calls, status = [], {"value": 0}
+
+    def run(handle, args, count):
+        calls.append((handle, count, ctypes.c_void_p.from_address(args[0]).value, args[count - 1]))
+        return status["value"]
+
+    run_fn = RUN(run)
+    abi = [["tensor", "int32_t", 1, "int64_t", 1], ["scalar", "float"], ["stream"]]
+    fast = FastLauncher(None, abi, runtime=launcher.RuntimeFunction(run_fn, 0x1234))
+    x = torch.zeros(4, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the ctypes notice
+        fast(x, 0.5, 7)
+        fast(x, 0.5, 7)
+    assert [(handle, count, first) for handle, count, first, _ in calls] == [(0x1234, 4, x.data_ptr())] * 2
+    assert calls[0][3] == ctypes.addressof(fast._result)  # the status the function writes
+    assert (fast._c is not None) == with_c
+    status["value"] = 5
+    with pytest.raises(RuntimeError, match="runtime error 5"):
+        fast(x, 0.5, 7)

@@ -83,16 +83,16 @@ def test_row_classes():
     assert matrix.rows("odd", 4096, torch.bfloat16) % 2 == 1
     # "loops": at least twice the row tiles of the grid the norm backward
     # launches, at every N, for every weight and with dh_out.
-    from quack import norm_backward, rowwise
+    from quack import norm_backward_plan, row_config
 
     for n in matrix.ROW_N:
         for dtype in (torch.float32, torch.float16, torch.bfloat16):
             elem = torch.empty((), dtype=dtype).element_size()
-            cfg = rowwise.backward_config(n, rowwise.vector_width(n, elem))
+            cfg = row_config.backward_config(n, row_config.vector_width(n, elem))
             m = matrix.rows("loops", n, dtype)
             for weight_bytes in (0, 4, elem):
                 for dh_out in (False, True):
-                    grid = norm_backward.grid_clusters(cfg, m, 0, elem, weight_bytes, dh_out)
+                    grid = norm_backward_plan.grid_clusters(cfg, m, 0, elem, weight_bytes, dh_out)
                     assert -(-m // cfg.rows_per_cta) >= 2 * grid, (n, dtype, weight_bytes, dh_out)
     assert matrix.row_shape(64, 8, "3d") == (2, 32, 8)
     assert matrix.row_shape(37, 8, "3d") == (1, 37, 8)

@@ -1,5 +1,6 @@
 """The package import: ``import quack`` loads no kernel family (nor torch or the
-CuTe DSL), and its lazy exports stay the ops however the submodules are imported.
+CuTe DSL), a family loads neither torch._dynamo nor the DSL, and the lazy
+exports stay the ops however the submodules are imported.
 
 Each check runs in a fresh interpreter (on this process's import path), since
 this process has imported the families already."""
@@ -38,14 +39,15 @@ def test_one_family_imports_that_family_only():
         assert f"'quack.{other}'" not in loaded
 
 
-def test_no_family_imports_dynamo():
-    # torch._dynamo costs seconds of cold start (issue 19); torch.compile imports it when used.
+def test_no_family_imports_dynamo_or_the_dsl():
+    # torch._dynamo and the CuTe DSL cost seconds of cold start (issue 19): torch.compile imports
+    # the one when used, a compile the other; a process that loads cached objects needs neither.
     assert _python("""
         import sys, quack
         for name in ("rmsnorm", "layernorm", "softmax", "cross_entropy", "gemm"):
             getattr(quack, name)
-        print("torch._dynamo" in sys.modules)
-    """) == "False"
+        print("torch._dynamo" in sys.modules, "cutlass" in sys.modules)
+    """) == "False False"
 
 
 def test_exports_stay_the_ops_after_their_submodules_import():

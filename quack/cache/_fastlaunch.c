@@ -66,9 +66,16 @@ typedef struct {
     int64_t offset; /* byte offset in the buffer */
 } Field;
 
+/* The CuTe DSL runtime's CuteDSLRT_Function_Run, for objects its C loader loaded. */
+typedef int (*run_function)(void *function, void **args, size_t num_args);
+
 typedef struct {
     PyObject_HEAD
     void (*entry)(void **);
+    /* Where set: launch with run(entry, packed, count) (the DSL runtime's
+     * function handle in entry) instead of entry(packed). */
+    run_function run;
+    size_t count;
     Py_buffer packed_view; /* the pointer array the entry point takes */
     Py_buffer buffer_view; /* the fields' storage, pointed into by the array */
     Py_buffer result_view; /* the CUDA status the entry point writes (len 0: none) */
@@ -221,7 +228,15 @@ static PyObject *launcher_call(PyObject *op, PyObject *args, PyObject *kwargs) {
     Scalar values[MAX_FIELDS];
     if (read_values(self, items, values) < 0) return NULL;
     write_fields(self, values);
-    self->entry(self->packed);
+    if (self->run != NULL) {
+        int status = self->run((void *)self->entry, self->packed, self->count);
+        if (status != 0) {
+            PyErr_Format(PyExc_RuntimeError, "kernel launch failed: CuTe DSL runtime error %d", status);
+            return NULL;
+        }
+    } else {
+        self->entry(self->packed);
+    }
     if (self->result != NULL && *self->result != 0) {
         PyErr_Format(PyExc_RuntimeError, "kernel launch failed with CUDA error %d", *self->result);
         return NULL;
@@ -237,7 +252,12 @@ static PyObject *launcher_bare(PyObject *op, PyObject *arg) {
     if (n == -1 && PyErr_Occurred()) return NULL;
     struct timespec a, b;
     clock_gettime(CLOCK_MONOTONIC, &a);
-    for (long i = 0; i < n; i++) self->entry(self->packed);
+    for (long i = 0; i < n; i++) {
+        if (self->run != NULL)
+            self->run((void *)self->entry, self->packed, self->count);
+        else
+            self->entry(self->packed);
+    }
     clock_gettime(CLOCK_MONOTONIC, &b);
     return PyFloat_FromDouble((double)(b.tv_sec - a.tv_sec) + 1e-9 * (double)(b.tv_nsec - a.tv_nsec));
 }
@@ -302,24 +322,27 @@ static void release_views(Launcher *self) {
     if (self->result_view.obj) PyBuffer_Release(&self->result_view);
 }
 
-/* Launcher(entry, packed, buffer, result, nargs, fields, api, tensor_type[, get_context, context])
+/* Launcher(entry, packed, buffer, result, nargs, fields, api, tensor_type[, get_context, context, run, count])
  * entry: the entry point's address; packed, buffer and result (or None):
  * writable buffers (a ctypes array, an array.array, a ctypes c_int32), held
  * for the launcher's life; fields: a sequence of (arg, what, ctype, dim,
  * offset) with what and ctype one-letter strings; api: the
  * "dlpack_exchange_api" capsule; tensor_type: torch.Tensor; get_context:
  * the address of the driver's cuCtxGetCurrent and context the one the
- * entry point's module was loaded in (0, 0: no check). */
+ * entry point's module was loaded in (0, 0: no check); run: the address of
+ * CuteDSLRT_Function_Run, with entry its function handle and count the
+ * pointer array's length (0: entry is a plain entry point). */
 static PyObject *launcher_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
-    unsigned long long entry, get_context = 0, context = 0;
+    unsigned long long entry, get_context = 0, context = 0, run = 0;
+    Py_ssize_t count = 0;
     Py_ssize_t nargs;
     PyObject *packed, *buffer, *result, *fields, *capsule, *tensor_type;
     if (kwargs != NULL && PyDict_Size(kwargs) > 0) {
         PyErr_SetString(PyExc_TypeError, "quack launcher: arguments are positional");
         return NULL;
     }
-    if (!PyArg_ParseTuple(args, "KOOOnOOO|KK", &entry, &packed, &buffer, &result, &nargs, &fields, &capsule,
-                          &tensor_type, &get_context, &context))
+    if (!PyArg_ParseTuple(args, "KOOOnOOO|KKKn", &entry, &packed, &buffer, &result, &nargs, &fields, &capsule,
+                          &tensor_type, &get_context, &context, &run, &count))
         return NULL;
     if (!entry) {
         PyErr_SetString(PyExc_ValueError, "quack launcher: the entry point's address is 0");
@@ -357,6 +380,12 @@ static PyObject *launcher_new(PyTypeObject *type, PyObject *args, PyObject *kwar
     self->buffer = self->buffer_view.buf;
     self->result = result == Py_None ? NULL : self->result_view.buf;
     self->api = api;
+    if (run != 0 && (count < 1 || (size_t)count * sizeof(void *) > (size_t)self->packed_view.len)) {
+        PyErr_SetString(PyExc_ValueError, "quack launcher: the runtime's argument count does not fit the pointer array");
+        goto fail;
+    }
+    self->run = (run_function)(uintptr_t)run;
+    self->count = (size_t)count;
     self->get_context = (int (*)(void **))(uintptr_t)get_context;
     self->context = (void *)(uintptr_t)context;
     Py_INCREF(tensor_type);

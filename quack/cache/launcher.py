@@ -31,7 +31,7 @@ import re
 import struct
 import threading
 import warnings
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 _C_TYPES = {
     "int32_t": ctypes.c_int32,
@@ -179,6 +179,14 @@ def _f64_bits(value) -> int:
     return struct.unpack("<q", struct.pack("<d", float(value)))[0]
 
 
+class RuntimeFunction(NamedTuple):
+    """A function of an object the CuTe DSL runtime's C loader loaded:
+    ``CuteDSLRT_Function_Run`` (a ctypes function) and the function's handle."""
+
+    run: Any
+    handle: int
+
+
 class FastLauncher:
     """Calls a compiled or loaded kernel with arguments packed into one word buffer.
 
@@ -187,11 +195,18 @@ class FastLauncher:
     numbers and the stream as a raw handle (``int``).  After the first call
     the C launcher (``_fastlaunch``) packs and calls; where it is not built,
     generated Python does (``launcher_kind`` says which).
+
+    ``fn`` is a ``JitCompiledFunction`` (a fresh compile, or an object the
+    DSL's ``load_module`` loaded), whose first call goes through the DSL;
+    or None with ``runtime``, an object the DSL runtime's C loader loaded
+    (``quack/cache/native.py``), which every call launches directly.
     """
 
-    def __init__(self, fn: Any, abi: list[list]):
+    def __init__(self, fn: Any, abi: list[list], runtime: RuntimeFunction | None = None):
         self._fn = fn
+        self._runtime = runtime
         self._abi = abi
+        self._entry = (0, 0, 0)  # (entry point or function handle, Function_Run or 0, pointer count)
         self._c = None  # the C launcher, once the first call has set it up
         self._pack = None  # or the generated Python packer
         self._buf = None
@@ -213,8 +228,12 @@ class FastLauncher:
             if self._c is not None:  # set up by the first call while this one waited
                 return self._c(*args)
             if self._packed is None:
-                self._first_call(args)
-                return
+                if self._runtime is None:
+                    self._first_call(args)
+                    return
+                self._set_up(args, [], self._runtime_result())
+                if self._c is not None:
+                    return self._c(*args)
             if len(args) != self._nargs:
                 raise TypeError(f"kernel takes {self._nargs} arguments, got {len(args)}")
             self._pack(self._buf, *args)
@@ -243,9 +262,9 @@ class FastLauncher:
             elif what == "q":
                 what = "Q"
             fields.append((index, what, ctype, dim, offset))
-        entry = ctypes.cast(self._capi, ctypes.c_void_p).value
+        entry, run, count = self._entry
         return module.Launcher(entry, self._packed, self._buf, self._result, self._nargs, fields, api, tensor,
-                               *self._context)
+                               *self._context, run, count)
 
     def bare(self, calls: int) -> float | None:
         """Seconds for ``calls`` calls of the entry point from C with the last
@@ -256,39 +275,67 @@ class FastLauncher:
     def _first_call(self, args: tuple) -> None:
         """Launch through the DSL once (it loads the module onto the device),
         then take over its executor's entry point for every later call."""
-        present = [a is not None for a in args]
-        if sum(present) != len(self._abi):
-            raise TypeError(f"kernel takes {len(self._abi)} non-None arguments, got {sum(present)}")
+        if sum(a is not None for a in args) != len(self._abi):
+            raise TypeError(f"kernel takes {len(self._abi)} non-None arguments, got {sum(a is not None for a in args)}")
         specs = iter(self._abi)
         self._fn(*[a if a is None else _dsl_value(next(specs), a) for a in args])
         executor = getattr(self._fn, "_default_executor", None)
         if executor is None or not hasattr(executor, "_get_invoke_packed_args"):
             return  # an unknown DSL layout: stay on the slow path
+        self._capi = executor.capi_func
+        # Where the DSL wrapped its entry point (profiling), ctypes keeps its call.
+        if isinstance(self._capi, ctypes._CFuncPtr) and (
+            executor.cuda_result is None or isinstance(executor.cuda_result, ctypes.c_int32)
+        ):
+            self._entry = (ctypes.cast(self._capi, ctypes.c_void_p).value, 0, 0)
+        self._set_up(args, executor._get_invoke_packed_args, executor.cuda_result)
+
+    def _runtime_result(self) -> ctypes.c_int32:
+        """Set up calls through the DSL runtime's ``Function_Run``: the
+        pointer array ends with the CUDA status the function writes."""
+        result = ctypes.c_int32(0)
+        run, handle = self._runtime
+
+        def call(packed):
+            status = run(handle, packed, len(packed))
+            if status != 0:
+                raise RuntimeError(f"kernel launch failed: CuTe DSL runtime error {status}")
+
+        self._capi = call
+        return result
+
+    def _set_up(self, args: tuple, packed_args, result) -> None:
+        """The word buffer, the pointer array (``packed_args`` turns the
+        arguments' addresses into it; [] appends the status's address) and
+        the C launcher, for this call's pattern of present arguments."""
+        present = [a is not None for a in args]
+        if sum(present) != len(self._abi):
+            raise TypeError(f"kernel takes {len(self._abi)} non-None arguments, got {sum(present)}")
         pack, starts, words = make_packer(self._abi, present)
         buf = array.array("q", [0] * max(1, words))
         base = buf.buffer_info()[0]
-        packed = executor._get_invoke_packed_args([base + _WORD * w for w in starts])
+        addresses = [base + _WORD * w for w in starts]
+        packed = packed_args(addresses) if callable(packed_args) else addresses + [ctypes.addressof(result)]
         self._pack, self._buf, self._nargs = pack, buf, len(args)
         self._packed = (ctypes.c_void_p * len(packed))(*packed)
-        self._capi = executor.capi_func
-        self._result = executor.cuda_result
+        self._result = result
+        if self._runtime is not None:
+            self._entry = (self._runtime.handle, ctypes.cast(self._runtime.run, ctypes.c_void_p).value, len(packed))
         self._placed = layout(self._abi, present)[0]
         self._context = current_context()
-        self._c = _c_launcher(self._capi, self._result, self._packed, buf, self._placed, len(args))
+        if self._entry[0]:
+            self._c = _c_launcher(self._entry, self._result, self._packed, buf, self._placed, len(args))
 
 
-def _c_launcher(capi: Any, result: Any, packed: Any, buf: array.array, placed: list, nargs: int):
+def _c_launcher(entry: tuple[int, int, int], result: Any, packed: Any, buf: array.array, placed: list, nargs: int):
     """The C launcher over the same buffer and pointer array (it holds
-    both), or None where it cannot run."""
-    if not isinstance(capi, ctypes._CFuncPtr) or not (result is None or isinstance(result, ctypes.c_int32)):
-        return None  # the DSL wrapped its entry point (profiling): keep its call
+    both), or None where it cannot run.  ``entry``: FastLauncher's."""
     module, api, tensor = _c_module()
     if module is None:
         return None
+    address, run, count = entry
     try:
-        return module.Launcher(
-            ctypes.cast(capi, ctypes.c_void_p).value, packed, buf, result, nargs, c_fields(placed), api, tensor
-        )
+        return module.Launcher(address, packed, buf, result, nargs, c_fields(placed), api, tensor, 0, 0, run, count)
     except (ValueError, TypeError, RuntimeError) as err:  # a layout it does not take: ctypes launches this one
         warnings.warn(f"quack: a kernel launches through ctypes: the C launcher refused its layout ({err})",
                       stacklevel=4)

@@ -2,17 +2,31 @@
 
 Kept apart from the lookup logic so tests can replace them, and so ``import
 quack.cache`` does not import cutlass (2 to 3 s) until a kernel is needed.
+
+Loading goes through the DSL runtime library's C loader
+(``CuteDSLRT_Module_Create_From_Bytes`` in ``libcute_dsl_runtime.so``, found
+beside the DSL's package without importing it): a process that only loads
+cached objects never imports the DSL's Python package.  Where that library
+is missing or refuses an object, the DSL's own ``load_module`` loads it
+(with a one-time notice).  Loaded modules stay loaded for the process.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
+import importlib.util
+import logging
+import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
+from . import stats
 from .handle import KernelHandle
-from .launcher import FastLauncher
+from .launcher import FastLauncher, RuntimeFunction
+
+log = logging.getLogger("quack.cache")
+RUNTIME_LIBRARY = "libcute_dsl_runtime.so"
 
 
 @functools.lru_cache(maxsize=None)
@@ -32,15 +46,91 @@ def export_object(compiled: Any, directory: Path, name: str, prefix: str) -> Non
 
 
 def load_object(path: Path, prefix: str, keyhash: str, abi: list) -> KernelHandle:
-    """Load an exported object and wrap its host entry point.
+    """Load an exported object and wrap its host entry point, with the
+    argument layout ``abi`` that the sidecar recorded at export.
 
-    ``load_module`` links the object into a JIT execution engine; indexing the
-    module by the export's function prefix decodes the stored signature and
-    returns a ``JitCompiledFunction``; ``FastLauncher`` calls its entry point
-    directly after the first launch, with the argument layout ``abi`` that the
-    sidecar recorded at export.
+    Through the runtime's C loader where it works (``FastLauncher`` calls
+    the function through ``CuteDSLRT_Function_Run``).  Otherwise
+    ``load_module`` links the object into a JIT execution engine; indexing
+    the module by the export's function prefix returns a
+    ``JitCompiledFunction``, whose entry point ``FastLauncher`` calls
+    directly after the first launch.
     """
+    data = path.read_bytes()  # FileNotFoundError: removed since it was verified (a miss)
+    runtime = _runtime()
+    if runtime is not None:
+        function = _load_with_runtime(runtime, data, prefix)
+        if function is not None:
+            return KernelHandle(FastLauncher(None, abi, runtime=function), keyhash)
     import cutlass.cute as cute
 
     module = cute.runtime.load_module(str(path))
     return KernelHandle(FastLauncher(module[prefix], abi), keyhash, owner=module)
+
+
+@functools.lru_cache(maxsize=None)
+def runtime_library_path() -> Optional[Path]:
+    """The DSL's runtime library for torch's CUDA major version (the DSL's
+    own choice of cu12/cu13 needs its package imported), or None."""
+    spec = importlib.util.find_spec("nvidia_cutlass_dsl")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    import torch
+
+    base = Path(list(spec.submodule_search_locations)[0])
+    major = (torch.version.cuda or "").split(".")[0]
+    candidates = ([base / f"cu{major}" / "lib" / RUNTIME_LIBRARY] if major else []) + sorted(
+        base.glob(f"cu*/lib/{RUNTIME_LIBRARY}")
+    )
+    return next((c for c in candidates if c.is_file()), None)
+
+
+@functools.lru_cache(maxsize=None)
+def _runtime() -> Optional[ctypes.CDLL]:
+    """The runtime library, loaded ``RTLD_GLOBAL`` (objects resolve its
+    symbols), with the C loader's signatures; None (noticed once) where
+    it cannot be loaded."""
+    path = runtime_library_path()
+    try:
+        if path is None:
+            raise OSError(f"no {RUNTIME_LIBRARY} beside the nvidia_cutlass_dsl package")
+        lib = ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
+        lib.CuteDSLRT_Module_Create_From_Bytes.argtypes = [
+            ctypes.POINTER(ctypes.c_void_p), ctypes.c_char_p, ctypes.c_size_t,
+            ctypes.POINTER(ctypes.c_char_p), ctypes.c_size_t,
+        ]
+        lib.CuteDSLRT_Module_Get_Function.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p, ctypes.c_char_p]
+        lib.CuteDSLRT_Function_Run.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t]
+        lib.CuteDSLRT_GetErrorName.restype = ctypes.c_char_p
+        for name in ("CuteDSLRT_Module_Create_From_Bytes", "CuteDSLRT_Module_Get_Function", "CuteDSLRT_Function_Run"):
+            getattr(lib, name).restype = ctypes.c_int
+    except (OSError, AttributeError) as err:
+        log.warning("quack: cached objects load through the CuTe DSL's Python package (seconds to import): "
+                    "its runtime library's C loader is not available (%s)", err)
+        return None
+    return lib
+
+
+def _load_with_runtime(lib: ctypes.CDLL, data: bytes, prefix: str) -> Optional[RuntimeFunction]:
+    """The object's function through the C loader; None (noticed once per
+    error) where the loader refuses it.  Times each of its two stages."""
+    module = ctypes.c_void_p()
+    shared = (ctypes.c_char_p * 1)(str(runtime_library_path()).encode())
+    start = time.perf_counter()
+    status = lib.CuteDSLRT_Module_Create_From_Bytes(ctypes.byref(module), data, len(data), shared, 1)
+    stats.record_seconds("runtime_create", time.perf_counter() - start)
+    function = ctypes.c_void_p()
+    if status == 0:
+        start = time.perf_counter()
+        status = lib.CuteDSLRT_Module_Get_Function(ctypes.byref(function), module, prefix.encode())
+        stats.record_seconds("runtime_function", time.perf_counter() - start)
+    if status != 0:
+        _notice_refusal(lib.CuteDSLRT_GetErrorName(status).decode())
+        return None
+    return RuntimeFunction(lib.CuteDSLRT_Function_Run, function.value)
+
+
+@functools.lru_cache(maxsize=None)
+def _notice_refusal(error: str) -> None:
+    log.warning("quack: the CuTe DSL runtime's C loader refused an object (%s); loading it through the DSL's "
+                "Python package instead", error)

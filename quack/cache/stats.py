@@ -26,8 +26,10 @@ def record(event: str) -> None:
 
 def record_seconds(phase: str, seconds: float) -> None:
     """Add time spent in ``verify`` (reading an entry and checking its sidecar
-    and sha256), ``load`` (the DSL linking the object) or ``compile``
-    (compile includes export)."""
+    and sha256), ``load`` (all of loading an object), of it the DSL
+    runtime's C loader's two stages ``runtime_create`` (linking the object,
+    loading its CUDA library) and ``runtime_function`` (finding its
+    function), or ``compile`` (compile includes export)."""
     with _LOCK:
         _SECONDS[phase] += seconds
 
@@ -43,6 +45,8 @@ def stats() -> dict[str, Any]:
             "bad_entries": _COUNTS["bad_entry"],
             "verify_seconds": _SECONDS["verify"],
             "load_seconds": _SECONDS["load"],
+            "runtime_create_seconds": _SECONDS["runtime_create"],
+            "runtime_function_seconds": _SECONDS["runtime_function"],
             "compile_seconds": _SECONDS["compile"],
         }
 

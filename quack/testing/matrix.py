@@ -314,7 +314,7 @@ LEAD = ("2d", "3d")
 
 def rows(m_class: str, n: int, dtype: torch.dtype) -> int:
     """The number of rows of an M class at this N and dtype."""
-    from quack import norm_backward, rowwise
+    from quack import norm_backward_plan, row_config
 
     if m_class == "one":
         return 1
@@ -325,9 +325,9 @@ def rows(m_class: str, n: int, dtype: torch.dtype) -> int:
     from quack import torch_interop as ti
 
     elem = torch.empty((), dtype=dtype).element_size()
-    cfg = rowwise.backward_config(n, rowwise.vector_width(n, elem))
+    cfg = row_config.backward_config(n, row_config.vector_width(n, elem))
     # At most THREADS_PER_SM // threads CTAs of a backward fit on an SM.
-    resident_tiles = ti.sm_count(0) * (norm_backward.THREADS_PER_SM // cfg.threads) // cfg.cluster_n
+    resident_tiles = ti.sm_count(0) * (norm_backward_plan.THREADS_PER_SM // cfg.threads) // cfg.cluster_n
     return 3 * resident_tiles * cfg.rows_per_cta + 5
 
 
