@@ -34,6 +34,8 @@ MAX_N = 262144
 
 
 def _fake_param(dtype: Optional[str], n: int, vec: int):
+    from quack import rowwise
+
     return rowwise.fake_vector(ti.cute_dtype(dtype), n, vec) if dtype else None
 
 
