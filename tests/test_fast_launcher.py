@@ -432,7 +432,7 @@ def test_describe_refuses_what_it_cannot_key(described):
     assert described.describe(False, x, 2**70) is None
 
 
-def _direct(fastlaunch, entry_address, rows, get_context=0, context=0):
+def _direct(fastlaunch, entry_address, rows, get_context=0, context=0, device=-1):
     header_abi = [["tensor", "int32_t", 1, "int64_t", 1], ["tensor", "int32_t", 1, "int64_t", 1], ["scalar", "float"]]
     present = [True, True, True]
     placed, starts, words = layout(header_abi, present)
@@ -442,7 +442,7 @@ def _direct(fastlaunch, entry_address, rows, get_context=0, context=0):
     fields = [(i, "S" if i in rows and w == "s" else "T" if i in rows and w == "t" else w, c, dim, off)
               for i, w, c, dim, off in launcher.c_fields(placed)]
     c = fastlaunch.Launcher(entry_address, packed, buf, None, 3, fields, torch.Tensor.__dlpack_c_exchange_api__,
-                            torch.Tensor, get_context, context)
+                            torch.Tensor, get_context, context, 0, 0, device)
     return c, buf
 
 
@@ -477,6 +477,16 @@ def test_direct_launcher_declines_another_current_context(fastlaunch):
     current["context"] = 0x2000  # another device made current
     assert c(x, x, 1.0) is NotImplemented
     assert len(recorder.firsts) == 1  # the declined call launched nothing
+
+
+def test_checked_launcher_declines_tensors_of_another_device(fastlaunch):
+    recorder = _Recorder()
+    x = torch.zeros(4, 8)  # DLPack: device 0 of its type
+    on_zero, _ = _direct(fastlaunch, recorder.address, rows=set(), device=0)
+    on_one, _ = _direct(fastlaunch, recorder.address, rows=set(), device=1)
+    assert on_zero(x, x, 1.0) is None
+    assert on_one(x, x, 1.0) is NotImplemented
+    assert len(recorder.firsts) == 1
 
 
 def test_fast_launcher_direct_only_after_its_first_call(fastlaunch, monkeypatch):

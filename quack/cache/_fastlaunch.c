@@ -91,6 +91,9 @@ typedef struct {
      * launch from another current context returns NotImplemented). */
     int (*get_context)(void **);
     void *context;
+    /* Where >= 0: every tensor must be on this CUDA device, or the call is
+     * declined (NotImplemented, nothing launched). */
+    int32_t device;
 } Launcher;
 
 /* One field's value, read before anything is written. */
@@ -121,7 +124,8 @@ static int view(Launcher *self, PyObject *obj, Py_ssize_t index, DLTensor *out) 
 
 /* Step 1: every field's value, with every check.  Python code may run here
  * (__float__ and __index__ of scalars, __torch_dispatch__ of a tensor
- * subclass's sizes) and let another thread run. */
+ * subclass's sizes) and let another thread run.  Returns -1 on an error, 1
+ * where a tensor is on another device than the launcher's (declined). */
 static int read_values(Launcher *self, PyObject *const *args, Scalar *values) {
     DLTensor t;
     Py_ssize_t viewed = -1; /* the argument t describes */
@@ -157,6 +161,7 @@ static int read_values(Launcher *self, PyObject *const *args, Scalar *values) {
             if (viewed != f->arg) {
                 if (view(self, obj, f->arg, &t) < 0) return -1;
                 viewed = f->arg;
+                if (self->device >= 0 && t.device.device_id != self->device) return 1;
                 if (first.device_id < 0) first = t.device;
             }
             if (f->what == DATA) {
@@ -226,7 +231,9 @@ static PyObject *launcher_call(PyObject *op, PyObject *args, PyObject *kwargs) {
     PyObject *items[64];
     for (Py_ssize_t i = 0; i < n; i++) items[i] = PyTuple_GetItem(args, i); /* borrowed */
     Scalar values[MAX_FIELDS];
-    if (read_values(self, items, values) < 0) return NULL;
+    int read = read_values(self, items, values);
+    if (read < 0) return NULL;
+    if (read > 0) Py_RETURN_NOTIMPLEMENTED;
     write_fields(self, values);
     if (self->run != NULL) {
         int status = self->run((void *)self->entry, self->packed, self->count);
@@ -322,7 +329,8 @@ static void release_views(Launcher *self) {
     if (self->result_view.obj) PyBuffer_Release(&self->result_view);
 }
 
-/* Launcher(entry, packed, buffer, result, nargs, fields, api, tensor_type[, get_context, context, run, count])
+/* Launcher(entry, packed, buffer, result, nargs, fields, api, tensor_type[, get_context, context, run, count,
+ *          device])
  * entry: the entry point's address; packed, buffer and result (or None):
  * writable buffers (a ctypes array, an array.array, a ctypes c_int32), held
  * for the launcher's life; fields: a sequence of (arg, what, ctype, dim,
@@ -331,18 +339,20 @@ static void release_views(Launcher *self) {
  * the address of the driver's cuCtxGetCurrent and context the one the
  * entry point's module was loaded in (0, 0: no check); run: the address of
  * CuteDSLRT_Function_Run, with entry its function handle and count the
- * pointer array's length (0: entry is a plain entry point). */
+ * pointer array's length (0: entry is a plain entry point); device: the CUDA
+ * device every tensor must be on (-1: any). */
 static PyObject *launcher_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
     unsigned long long entry, get_context = 0, context = 0, run = 0;
     Py_ssize_t count = 0;
+    int device = -1;
     Py_ssize_t nargs;
     PyObject *packed, *buffer, *result, *fields, *capsule, *tensor_type;
     if (kwargs != NULL && PyDict_Size(kwargs) > 0) {
         PyErr_SetString(PyExc_TypeError, "quack launcher: arguments are positional");
         return NULL;
     }
-    if (!PyArg_ParseTuple(args, "KOOOnOOO|KKKn", &entry, &packed, &buffer, &result, &nargs, &fields, &capsule,
-                          &tensor_type, &get_context, &context, &run, &count))
+    if (!PyArg_ParseTuple(args, "KOOOnOOO|KKKni", &entry, &packed, &buffer, &result, &nargs, &fields, &capsule,
+                          &tensor_type, &get_context, &context, &run, &count, &device))
         return NULL;
     if (!entry) {
         PyErr_SetString(PyExc_ValueError, "quack launcher: the entry point's address is 0");
@@ -384,6 +394,7 @@ static PyObject *launcher_new(PyTypeObject *type, PyObject *args, PyObject *kwar
         PyErr_SetString(PyExc_ValueError, "quack launcher: the runtime's argument count does not fit the pointer array");
         goto fail;
     }
+    self->device = device;
     self->run = (run_function)(uintptr_t)run;
     self->count = (size_t)count;
     self->get_context = (int (*)(void **))(uintptr_t)get_context;

@@ -18,7 +18,9 @@ class KernelHandle:
     first CUDA tensor argument), and loads a module of its own for every other
     device, through ``reload`` (``jit_cache`` sets it: the entry is loaded
     again, or compiled again where it could not be cached).  Each launch runs
-    with its tensors' device current (a device guard, where it is not).
+    with its tensors' device current (a device guard, where it is not).  A
+    launch on the first launch's device with its context current takes
+    FastLauncher's ``checked`` C launcher, which checks that in C.
     """
 
     __slots__ = ("_fn", "_owner", "keyhash", "device", "reload", "_per_device")
@@ -32,6 +34,11 @@ class KernelHandle:
         self._per_device: dict[int, KernelHandle] = {}
 
     def __call__(self, *args: Any) -> Any:
+        checked = getattr(self._fn, "checked", None)  # FastLauncher's device check in C
+        if checked is not None:
+            result = checked(*args)
+            if result is not NotImplemented:
+                return result
         device = _device_of(args)
         if device is None:
             return self._fn(*args)

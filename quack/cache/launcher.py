@@ -216,6 +216,11 @@ class FastLauncher:
         self._nargs = 0
         self._placed = None  # the fields' layout for this call's present arguments
         self._context = (0, 0)  # (cuCtxGetCurrent's address, the first launch's context)
+        self._device = -1  # the CUDA device of the first launch's tensors
+        # After the first call, a C launcher that declines (NotImplemented) a
+        # call from another current context or on another device's tensors:
+        # KernelHandle tries it before its Python device guard.
+        self.checked = None
         # The buffer is shared state: one launch packs and calls at a time
         # (the C launcher converts every argument first, then writes and
         # launches with no Python code in between: the GIL is held throughout).
@@ -254,7 +259,6 @@ class FastLauncher:
         (another device is current: the caller takes the guarded path)."""
         if self._c is None:
             return None
-        module, api, tensor = _c_module()
         fields = []
         for index, what, ctype, dim, offset in c_fields(self._placed):
             if index in rows and what in "st" and dim == 0:
@@ -262,9 +266,16 @@ class FastLauncher:
             elif what == "q":
                 what = "Q"
             fields.append((index, what, ctype, dim, offset))
+        return self._checked_launcher(fields)
+
+    def _checked_launcher(self, fields: list) -> Any:
+        """A C launcher over this launcher's buffer and pointer array that
+        declines calls from another current CUDA context than the first
+        launch's, or on tensors of another device."""
+        module, api, tensor = _c_module()
         entry, run, count = self._entry
         return module.Launcher(entry, self._packed, self._buf, self._result, self._nargs, fields, api, tensor,
-                               *self._context, run, count)
+                               *self._context, run, count, self._device)
 
     def bare(self, calls: int) -> float | None:
         """Seconds for ``calls`` calls of the entry point from C with the last
@@ -323,8 +334,11 @@ class FastLauncher:
             self._entry = (self._runtime.handle, ctypes.cast(self._runtime.run, ctypes.c_void_p).value, len(packed))
         self._placed = layout(self._abi, present)[0]
         self._context = current_context()
+        self._device = next((a.get_device() for a in args if getattr(a, "is_cuda", False)), -1)
         if self._entry[0]:
             self._c = _c_launcher(self._entry, self._result, self._packed, buf, self._placed, len(args))
+        if self._c is not None:
+            self.checked = self._checked_launcher(c_fields(self._placed))
 
 
 def _c_launcher(entry: tuple[int, int, int], result: Any, packed: Any, buf: array.array, placed: list, nargs: int):
