@@ -187,6 +187,14 @@ class _DslFunction:
         self.calls += 1
 
 
+@pytest.fixture(autouse=True)
+def _forget_the_launcher_choice():
+    """Tests that swap the C module (``_use_module``) leave ``_c_module``'s
+    cached answer behind: later tests in the process must see the real one."""
+    yield
+    launcher._c_module.cache_clear()
+
+
 def _use_module(monkeypatch, module):
     """Make ``module`` what ``from . import _fastlaunch`` finds (None: an
     ImportError): the package attribute, where an import set it, comes first."""
