@@ -5,6 +5,7 @@ import platform
 import shutil
 import socket
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -240,3 +241,30 @@ def test_an_object_built_with_a_dsl_setting_never_loads_without_it(monkeypatch, 
     quack.cache.clear()
     with compile_only_mode(), pytest.raises(quack.cache.CacheMissError):
         compile_add(48)
+
+
+def test_the_dsl_version_as_its_package_writes_it():
+    """The device kit has no wheel metadata: the version is read from the
+    package's source without importing it, and is what the package says."""
+    import cutlass
+
+    assert keymod._written_version() == cutlass.__version__
+
+
+def test_the_only_installed_flavour_needs_no_dsl_import(tmp_path, monkeypatch):
+    base = tmp_path / "nvidia_cutlass_dsl"
+    for flavour in ("cu13",):
+        (base / flavour / "lib").mkdir(parents=True)
+        (base / flavour / "lib" / "libcute_dsl_runtime.so").write_bytes(b"")
+    real = keymod.importlib.util.find_spec
+    spec = types.SimpleNamespace(submodule_search_locations=[str(base)])
+    monkeypatch.setattr(keymod.importlib.util, "find_spec",
+                        lambda name: spec if name == "nvidia_cutlass_dsl" else real(name))
+    monkeypatch.delenv("CUTE_DSL_LIBS", raising=False)
+    assert keymod._only_installed_flavour() == "cu13"
+    monkeypatch.setenv("CUTE_DSL_LIBS", "/elsewhere/libcute_dsl_runtime.so")
+    assert keymod._only_installed_flavour() is None  # the DSL's choice: ask it
+    monkeypatch.delenv("CUTE_DSL_LIBS")
+    (base / "cu12" / "lib").mkdir(parents=True)
+    (base / "cu12" / "lib" / "libcute_dsl_runtime.so").write_bytes(b"")
+    assert keymod._only_installed_flavour() is None  # two to choose from: ask the DSL

@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import importlib.metadata
+import importlib.util
 import json
 import os
 import re
@@ -105,14 +106,29 @@ def dsl_version() -> str:
     """The installed ``nvidia-cutlass-dsl`` version.
 
     Falls back to ``cutlass.__version__`` where the wheel was unpacked without
-    its metadata (the GPU machine's device kit runs from ``PYTHONPATH``).
+    its metadata (the GPU machine's device kit runs from ``PYTHONPATH``): as
+    the package's ``__init__.py`` writes it, read without importing the
+    package (2-3 s), which is imported only where the file does not say.
     """
     try:
         return importlib.metadata.version("nvidia-cutlass-dsl")
     except importlib.metadata.PackageNotFoundError:
-        import cutlass
+        pass
+    written = _written_version()
+    if written is not None:
+        return written
+    import cutlass
 
-        return cutlass.__version__
+    return cutlass.__version__
+
+
+def _written_version() -> str | None:
+    """``__version__`` as ``cutlass/__init__.py`` assigns it, if it does."""
+    spec = importlib.util.find_spec("cutlass")
+    if spec is None or not spec.origin:
+        return None
+    written = re.search(r'^__version__ = "([^"]+)"$', Path(spec.origin).read_text(), re.M)
+    return written[1] if written else None
 
 
 @functools.lru_cache(maxsize=None)
@@ -122,7 +138,13 @@ def cuda_flavour() -> str:
     Both ``nvidia-cutlass-dsl-libs-cu12`` and ``-cu13`` may be installed; each puts
     its runtime under ``nvidia_cutlass_dsl/<flavour>/lib``, so the flavour is read
     from the path of the library actually selected, not from the installed list.
+    Where exactly one flavour is installed (and ``CUTE_DSL_LIBS`` does not
+    choose), it is the one the DSL selects: read from the file system, without
+    importing the DSL (2-3 s) on a machine that only loads objects.
     """
+    only = _only_installed_flavour()
+    if only is not None:
+        return only
     import cutlass.runtime
 
     for lib in cutlass.runtime.find_runtime_libraries(enable_tvm_ffi=False):
@@ -130,6 +152,20 @@ def cuda_flavour() -> str:
             if re.fullmatch(r"cu\d+", part):
                 return part
     return "unknown"
+
+
+def _only_installed_flavour() -> str | None:
+    """The flavour when the DSL has a single runtime library to choose from."""
+    if os.environ.get("CUTE_DSL_LIBS"):
+        return None
+    spec = importlib.util.find_spec("nvidia_cutlass_dsl")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    base = Path(list(spec.submodule_search_locations)[0])
+    if (base / "lib" / "libcute_dsl_runtime.so").exists():
+        return None  # a flavourless layout: the DSL's own answer
+    found = sorted(path.parts[-3] for path in base.glob("cu*/lib/libcute_dsl_runtime.so"))
+    return found[0] if len(found) == 1 and re.fullmatch(r"cu\d+", found[0]) else None
 
 
 def _check_static(function: str, name: str, value: Any) -> None:
