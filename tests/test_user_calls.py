@@ -121,6 +121,8 @@ def _inference_calls():
     w32 = torch.randn(5120, device="cuda")
     h = torch.randn(4, 5120, device="cuda", dtype=BF16)
     r = torch.randn(4, 5120, device="cuda", dtype=BF16)
+    target = torch.randint(0, 4096, (8,), device="cuda")
+    target3 = torch.randint(0, 4096, (2, 3), device="cuda")
     a = torch.randn(256, 4096, device="cuda", dtype=BF16)
     b = torch.randn(4096, 4096, device="cuda", dtype=BF16)
     return [
@@ -131,6 +133,8 @@ def _inference_calls():
         ("layernorm", lambda: quack.layernorm(x, w, w)),
         ("layernorm_no_bias", lambda: quack.layernorm(x, w)),
         ("gemm", lambda: quack.gemm(a, b.t())),
+        ("cross_entropy", lambda: quack.cross_entropy(x, target)),
+        ("cross_entropy_3d", lambda: quack.cross_entropy(x3, target3)),  # a 2-D target, flattened
     ]
 
 
@@ -151,7 +155,8 @@ def _flat(out):
 
 @pytest.mark.no_compile_only  # counts closures, which compile-only mode never makes
 @pytest.mark.parametrize(
-    "name", ["rmsnorm", "rmsnorm_3d", "rmsnorm_residual", "softmax", "layernorm", "layernorm_no_bias", "gemm"]
+    "name", ["rmsnorm", "rmsnorm_3d", "rmsnorm_residual", "softmax", "layernorm", "layernorm_no_bias", "gemm",
+             "cross_entropy", "cross_entropy_3d"]
 )
 def test_a_repeated_call_takes_the_closure_and_gives_the_same_bits(name):
     _requires_the_c_launcher()
