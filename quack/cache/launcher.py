@@ -13,9 +13,12 @@ sidecar.  This launcher lays those structs out in one preallocated buffer of
 64-bit words (``layout``), and each call fills it and calls the entry point
 directly: in C (``_fastlaunch.c``: tensors read through torch's DLPack C
 exchange table), or, where that extension is not built, with generated
-straight-line Python over ctypes.  Its first call goes through the
-``JitCompiledFunction`` instead, which loads the CUDA module onto the device
-and creates the executor whose entry point the later calls reuse.
+straight-line Python over ctypes.  For a ``JitCompiledFunction`` (a fresh
+compile, or the DSL's ``load_module``) the first call goes through the DSL
+instead, which loads the CUDA module onto the device and creates the
+executor whose entry point the later calls reuse; an object the DSL
+runtime's C loader loaded (``native.py``) launches through the runtime's
+``CuteDSLRT_Function_Run`` from its first call.
 
 Convention (checked when the ABI is parsed): a tensor's dynamic dimensions
 are its leading ones, as every quack fake tensor declares them (a symbolic
