@@ -160,11 +160,12 @@ def call_signature(logits, target, reduction: str, backward: bool) -> CrossEntro
     )
 
 
-def _launch_fwd(plan: Plan, logits, target, loss, lse, out, stats, ignore_index) -> None:
-    """``loss`` None with a reduction: the row losses go to the stream's scratch."""
+def _launch_fwd(plan: Plan, logits, target, loss, lse, out, stats, ignore_index, shared_scratch: bool = True) -> None:
+    """``loss`` None with a reduction: the row losses go to scratch
+    (``reduction_scratch``; the stream's own where ``shared_scratch``)."""
     counter = None
     if out is not None:
-        counter, loss = reduction_scratch(logits.device, logits.shape[0])
+        counter, loss = reduction_scratch(logits.device, logits.shape[0], shared_scratch)
     plan.kernel("forward")(logits, target, loss, lse, out, stats, counter, ignore_index,
                            ti.current_stream(logits.device))
 
@@ -191,7 +192,9 @@ def _cross_entropy_fwd(
     and for a reduction its (1,) result and, for a backward, its fp32 (sum,
     count)."""
     plan = plan_for(call_signature(logits, target, reduction, lse is not None))
-    _launch_fwd(plan, logits, target, loss, lse, out, stats, ignore_index)
+    # Fresh scratch: a compiled graph may run this in a CUDA graph's memory
+    # pool (reduce-overhead), which must not hold the stream's shared scratch.
+    _launch_fwd(plan, logits, target, loss, lse, out, stats, ignore_index, shared_scratch=False)
 
 
 @cute_op("quack::cross_entropy_bwd", mutates_args=("dx",))
@@ -275,18 +278,19 @@ def cross_entropy_fwd(logits, target, ignore_index: int = -100, reduction: str =
 _SCRATCH: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
 
-def reduction_scratch(device: torch.device, m: int) -> tuple[torch.Tensor, torch.Tensor]:
+def reduction_scratch(device: torch.device, m: int, shared: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """(counter, rows) for a reducing forward of M rows: the zeroed int32
     its CTAs take their tickets from (the last CTA zeroes it again) and the
     (M,) fp32 room for the row losses it sums.  One pair per device and
     stream, since launches on one stream run one after another (rows
     reallocated when M changes; the caching allocator hands a freed block
     only to later work of the same stream); fresh ones while a CUDA graph is
-    captured (the graph's own) and in compile-only mode.  A stream destroyed
+    captured on the device's current stream (the graph's own), in
+    compile-only mode, and where not ``shared``.  A stream destroyed
     with a reducing forward still queued must not be followed, before that
     forward ends, by a new stream with the same handle on the same device
     (torch's pooled streams never are)."""
-    if is_compile_only() or torch.cuda.is_current_stream_capturing():
+    if not shared or is_compile_only() or _capturing(device):
         return torch.zeros(1, device=device, dtype=torch.int32), torch.empty(m, device=device, dtype=torch.float32)
     index = device.index if device.index is not None else torch.cuda.current_device()
     key = (index, torch._C._cuda_getCurrentRawStream(index))
@@ -295,6 +299,14 @@ def reduction_scratch(device: torch.device, m: int) -> tuple[torch.Tensor, torch
         counter = scratch[0] if scratch is not None else torch.zeros(1, device=device, dtype=torch.int32)
         scratch = _SCRATCH[key] = (counter, torch.empty(m, device=device, dtype=torch.float32))
     return scratch
+
+
+def _capturing(device: torch.device) -> bool:
+    """Whether a CUDA graph is being captured on ``device``'s current stream."""
+    if device.index is None or device.index == torch.cuda.current_device():
+        return torch.cuda.is_current_stream_capturing()
+    with torch.cuda.device(device.index):
+        return torch.cuda.is_current_stream_capturing()
 
 
 def cross_entropy_bwd(logits, target, lse, dloss_rows, ignore_index: int = -100, reduction: str = "none",

@@ -253,14 +253,16 @@ def test_the_dsl_version_as_its_package_writes_it():
 
 def test_the_only_installed_flavour_needs_no_dsl_import(tmp_path, monkeypatch):
     base = tmp_path / "nvidia_cutlass_dsl"
-    for flavour in ("cu13",):
-        (base / flavour / "lib").mkdir(parents=True)
-        (base / flavour / "lib" / "libcute_dsl_runtime.so").write_bytes(b"")
+    package = base / "dsl_packages" / "cutlass" / "__init__.py"
+    package.parent.mkdir(parents=True)
+    package.write_text('__version__ = "0"\n')
+    (base / "cu13" / "lib").mkdir(parents=True)
+    (base / "cu13" / "lib" / "libcute_dsl_runtime.so").write_bytes(b"")
     real = keymod.importlib.util.find_spec
-    spec = types.SimpleNamespace(submodule_search_locations=[str(base)])
-    monkeypatch.setattr(keymod.importlib.util, "find_spec",
-                        lambda name: spec if name == "nvidia_cutlass_dsl" else real(name))
+    spec = types.SimpleNamespace(origin=str(package))
+    monkeypatch.setattr(keymod.importlib.util, "find_spec", lambda name: spec if name == "cutlass" else real(name))
     monkeypatch.delenv("CUTE_DSL_LIBS", raising=False)
+    assert keymod.dsl_root() == base  # where the DSL's own search finds its libraries
     assert keymod._only_installed_flavour() == "cu13"
     monkeypatch.setenv("CUTE_DSL_LIBS", "/elsewhere/libcute_dsl_runtime.so")
     assert keymod._only_installed_flavour() is None  # the DSL's choice: ask it
@@ -268,3 +270,15 @@ def test_the_only_installed_flavour_needs_no_dsl_import(tmp_path, monkeypatch):
     (base / "cu12" / "lib").mkdir(parents=True)
     (base / "cu12" / "lib" / "libcute_dsl_runtime.so").write_bytes(b"")
     assert keymod._only_installed_flavour() is None  # two to choose from: ask the DSL
+
+
+def test_the_loader_takes_the_runtime_the_key_names(monkeypatch):
+    """quack/cache/native.py loads objects with the runtime library of the
+    flavour their key names (both flavours are installed here)."""
+    from quack.cache import native
+
+    native.runtime_library_path.cache_clear()
+    monkeypatch.delenv("CUTE_DSL_LIBS", raising=False)
+    path = native.runtime_library_path()
+    native.runtime_library_path.cache_clear()
+    assert path is not None and path.parts[-3] == keymod.cuda_flavour()

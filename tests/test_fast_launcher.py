@@ -499,13 +499,25 @@ def test_checked_launcher_declines_tensors_of_another_device(fastlaunch):
 
 def test_fast_launcher_direct_only_after_its_first_call(fastlaunch, monkeypatch):
     _use_module(monkeypatch, fastlaunch)
+    getter = CONTEXT_GETTER(lambda out: _set(out, 0x1000))
+    monkeypatch.setattr(launcher, "current_context", lambda: (ctypes.cast(getter, ctypes.c_void_p).value, 0x1000))
     recorder = _Recorder()
     abi = [["tensor", "int32_t", 1, "int64_t", 1], ["stream"]]
     fast = FastLauncher(_DslFunction(recorder.entry), abi)
     assert fast.direct(frozenset({0})) is None
     fast(torch.zeros(4, 8), 0)
     direct = fast.direct(frozenset({0}))
-    assert isinstance(direct, fastlaunch.Launcher)
+    assert isinstance(direct, fastlaunch.Launcher) and isinstance(fast.checked, fastlaunch.Launcher)
+    # Without a context to check against, neither is made: the handle's guard decides.
+    monkeypatch.setattr(launcher, "current_context", lambda: (0, 0))
+    other = FastLauncher(_DslFunction(recorder.entry), abi)
+    other(torch.zeros(4, 8), 0)
+    assert other.direct(frozenset({0})) is None and other.checked is None
+
+
+def _set(out, value):
+    out[0] = value
+    return 0
 
 
 def test_closures_are_kept_per_op_and_description_and_bounded(monkeypatch):

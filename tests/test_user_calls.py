@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import quack
+import quack.cache
 from quack import fastpath
 from quack.testing import matrix
 from quack.testing.autograd import vjp
@@ -145,6 +146,10 @@ def _requires_the_c_launcher():
         pytest.skip("the fast path needs the C launcher (quack/cache/_fastlaunch.c), not built here")
 
 
+def _memory_hits() -> int:
+    return quack.cache.stats()["hits"].get("memory", 0)
+
+
 def _closures() -> int:
     return sum(len(table) for table in fastpath._TABLES)
 
@@ -163,9 +168,10 @@ def test_a_repeated_call_takes_the_closure_and_gives_the_same_bits(name):
     call = dict(_inference_calls())[name]
     with torch.no_grad():
         first = _flat(call())
-        kept = _closures()
+        kept, lookups = _closures(), _memory_hits()
         again = _flat(call())
     assert _closures() == kept  # the second call added nothing: it found the first's closure
+    assert _memory_hits() == lookups  # and asked the cache for no kernel: the closure launched
     assert kept > 0
     for a, b in zip(first, again):
         assert torch.equal(a, b)

@@ -154,17 +154,31 @@ def cuda_flavour() -> str:
     return "unknown"
 
 
+RUNTIME_LIBRARY = "libcute_dsl_runtime.so"
+
+
+def dsl_root() -> Path | None:
+    """The folder the DSL takes its runtime libraries from: the nearest
+    ancestor of its ``cutlass`` package with ``lib/`` or ``cuXX/lib/``
+    holding the runtime library (where the DSL's own search looks), found
+    without importing the package; None where there is none."""
+    spec = importlib.util.find_spec("cutlass")
+    if spec is None or not spec.origin:
+        return None
+    for parent in Path(spec.origin).parents:
+        if (parent / "lib" / RUNTIME_LIBRARY).exists() or any(parent.glob(f"cu*/lib/{RUNTIME_LIBRARY}")):
+            return parent
+    return None
+
+
 def _only_installed_flavour() -> str | None:
     """The flavour when the DSL has a single runtime library to choose from."""
     if os.environ.get("CUTE_DSL_LIBS"):
         return None
-    spec = importlib.util.find_spec("nvidia_cutlass_dsl")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    base = Path(list(spec.submodule_search_locations)[0])
-    if (base / "lib" / "libcute_dsl_runtime.so").exists():
-        return None  # a flavourless layout: the DSL's own answer
-    found = sorted(path.parts[-3] for path in base.glob("cu*/lib/libcute_dsl_runtime.so"))
+    root = dsl_root()
+    if root is None or (root / "lib" / RUNTIME_LIBRARY).exists():
+        return None  # none, or a flavourless layout: the DSL's own answer
+    found = sorted(path.parts[-3] for path in root.glob(f"cu*/lib/{RUNTIME_LIBRARY}"))
     return found[0] if len(found) == 1 and re.fullmatch(r"cu\d+", found[0]) else None
 
 

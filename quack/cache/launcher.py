@@ -259,8 +259,9 @@ class FastLauncher:
         and the stream is torch's current stream on the first tensor's
         device (pass None).  It returns NotImplemented, launching nothing,
         when the current CUDA context is not the one its module was loaded in
-        (another device is current: the caller takes the guarded path)."""
-        if self._c is None:
+        (another device is current: the caller takes the guarded path).  None
+        too where the first call found no context to check against."""
+        if self._c is None or not self._context[1]:
             return None
         fields = []
         for index, what, ctype, dim, offset in c_fields(self._placed):
@@ -340,7 +341,7 @@ class FastLauncher:
         self._device = next((a.get_device() for a in args if getattr(a, "is_cuda", False)), -1)
         if self._entry[0]:
             self._c = _c_launcher(self._entry, self._result, self._packed, buf, self._placed, len(args))
-        if self._c is not None:
+        if self._c is not None and self._context[1]:  # without a context to check, the guard decides
             self.checked = self._checked_launcher(c_fields(self._placed))
 
 

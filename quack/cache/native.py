@@ -15,18 +15,18 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import importlib.util
 import logging
+import os
 import time
 from pathlib import Path
 from typing import Any, Optional
 
-from . import stats
+from . import key, stats
 from .handle import KernelHandle
 from .launcher import FastLauncher, RuntimeFunction
 
 log = logging.getLogger("quack.cache")
-RUNTIME_LIBRARY = "libcute_dsl_runtime.so"
+RUNTIME_LIBRARY = key.RUNTIME_LIBRARY
 
 
 @functools.lru_cache(maxsize=None)
@@ -70,19 +70,18 @@ def load_object(path: Path, prefix: str, keyhash: str, abi: list) -> KernelHandl
 
 @functools.lru_cache(maxsize=None)
 def runtime_library_path() -> Optional[Path]:
-    """The DSL's runtime library for torch's CUDA major version (the DSL's
-    own choice of cu12/cu13 needs its package imported), or None."""
-    spec = importlib.util.find_spec("nvidia_cutlass_dsl")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    import torch
-
-    base = Path(list(spec.submodule_search_locations)[0])
-    major = (torch.version.cuda or "").split(".")[0]
-    candidates = ([base / f"cu{major}" / "lib" / RUNTIME_LIBRARY] if major else []) + sorted(
-        base.glob(f"cu*/lib/{RUNTIME_LIBRARY}")
-    )
-    return next((c for c in candidates if c.is_file()), None)
+    """The DSL runtime library the object keys name: ``CUTE_DSL_LIBS``'s
+    where it is set, else the one of the key's CUDA flavour
+    (``key.cuda_flavour``: read from the file system where one flavour is
+    installed, asked of the DSL where several are); None where it is missing."""
+    chosen = os.environ.get("CUTE_DSL_LIBS")
+    if chosen:
+        paths = [Path(p) for p in chosen.split(os.pathsep) if p.endswith(RUNTIME_LIBRARY)]
+    else:
+        root = key.dsl_root()
+        flavour = key.cuda_flavour() if root is not None else None
+        paths = [root / ("lib" if flavour == "unknown" else f"{flavour}/lib") / RUNTIME_LIBRARY] if root else []
+    return next((p for p in paths if p.is_file()), None)
 
 
 @functools.lru_cache(maxsize=None)
@@ -102,6 +101,7 @@ def _runtime() -> Optional[ctypes.CDLL]:
         lib.CuteDSLRT_Module_Get_Function.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p, ctypes.c_char_p]
         lib.CuteDSLRT_Function_Run.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t]
         lib.CuteDSLRT_GetErrorName.restype = ctypes.c_char_p
+        lib.CuteDSLRT_Module_Destroy.argtypes = [ctypes.c_void_p]
         for name in ("CuteDSLRT_Module_Create_From_Bytes", "CuteDSLRT_Module_Get_Function", "CuteDSLRT_Function_Run"):
             getattr(lib, name).restype = ctypes.c_int
     except (OSError, AttributeError) as err:
@@ -125,6 +125,8 @@ def _load_with_runtime(lib: ctypes.CDLL, data: bytes, prefix: str) -> Optional[R
         status = lib.CuteDSLRT_Module_Get_Function(ctypes.byref(function), module, prefix.encode())
         stats.record_seconds("runtime_function", time.perf_counter() - start)
     if status != 0:
+        if module.value:
+            lib.CuteDSLRT_Module_Destroy(module)
         _notice_refusal(lib.CuteDSLRT_GetErrorName(status).decode())
         return None
     return RuntimeFunction(lib.CuteDSLRT_Function_Run, function.value)
