@@ -290,8 +290,7 @@ class FastLauncher:
     def _first_call(self, args: tuple) -> None:
         """Launch through the DSL once (it loads the module onto the device),
         then take over its executor's entry point for every later call."""
-        if sum(a is not None for a in args) != len(self._abi):
-            raise TypeError(f"kernel takes {len(self._abi)} non-None arguments, got {sum(a is not None for a in args)}")
+        self._check_present(args)
         specs = iter(self._abi)
         self._fn(*[a if a is None else _dsl_value(next(specs), a) for a in args])
         executor = getattr(self._fn, "_default_executor", None)
@@ -304,6 +303,13 @@ class FastLauncher:
         ):
             self._entry = (ctypes.cast(self._capi, ctypes.c_void_p).value, 0, 0)
         self._set_up(args, executor._get_invoke_packed_args, executor.cuda_result)
+
+    def _check_present(self, args: tuple) -> list[bool]:
+        """Which arguments are present; as many as the object takes, or TypeError."""
+        present = [a is not None for a in args]
+        if sum(present) != len(self._abi):
+            raise TypeError(f"kernel takes {len(self._abi)} non-None arguments, got {sum(present)}")
+        return present
 
     def _runtime_result(self) -> ctypes.c_int32:
         """Set up calls through the DSL runtime's ``Function_Run``: the
@@ -323,9 +329,7 @@ class FastLauncher:
         """The word buffer, the pointer array (``packed_args`` turns the
         arguments' addresses into it; [] appends the status's address) and
         the C launcher, for this call's pattern of present arguments."""
-        present = [a is not None for a in args]
-        if sum(present) != len(self._abi):
-            raise TypeError(f"kernel takes {len(self._abi)} non-None arguments, got {sum(present)}")
+        present = self._check_present(args)
         pack, starts, words = make_packer(self._abi, present)
         buf = array.array("q", [0] * max(1, words))
         base = buf.buffer_info()[0]
