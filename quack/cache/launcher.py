@@ -34,7 +34,7 @@ import re
 import struct
 import threading
 import warnings
-from typing import Any, NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 _C_TYPES = {
     "int32_t": ctypes.c_int32,
@@ -239,7 +239,7 @@ class FastLauncher:
                 if self._runtime is None:
                     self._first_call(args)
                     return
-                self._set_up(args, [], self._runtime_result())
+                self._set_up(args, *self._runtime_calls())
                 if self._c is not None:
                     return self._c(*args)
             if len(args) != self._nargs:
@@ -270,16 +270,17 @@ class FastLauncher:
             elif what == "q":
                 what = "Q"
             fields.append((index, what, ctype, dim, offset))
-        return self._checked_launcher(fields)
+        return self._launcher(fields, checked=True)
 
-    def _checked_launcher(self, fields: list) -> Any:
-        """A C launcher over this launcher's buffer and pointer array that
-        declines calls from another current CUDA context than the first
-        launch's, or on tensors of another device."""
+    def _launcher(self, fields: list, checked: bool) -> Any:
+        """A C launcher over this launcher's buffer and pointer array;
+        ``checked``: it declines calls from another current CUDA context
+        than the first launch's, or on tensors of another device."""
         module, api, tensor = _c_module()
         entry, run, count = self._entry
+        context, device = (self._context, self._device) if checked else ((0, 0), -1)
         return module.Launcher(entry, self._packed, self._buf, self._result, self._nargs, fields, api, tensor,
-                               *self._context, run, count, self._device)
+                               *context, run, count, device)
 
     def bare(self, calls: int) -> float | None:
         """Seconds for ``calls`` calls of the entry point from C with the last
@@ -311,9 +312,10 @@ class FastLauncher:
             raise TypeError(f"kernel takes {len(self._abi)} non-None arguments, got {sum(present)}")
         return present
 
-    def _runtime_result(self) -> ctypes.c_int32:
-        """Set up calls through the DSL runtime's ``Function_Run``: the
-        pointer array ends with the CUDA status the function writes."""
+    def _runtime_calls(self) -> tuple[Callable[[list[int]], list[int]], ctypes.c_int32]:
+        """Calls through the DSL runtime's ``Function_Run``: (the pointer
+        array from the arguments' addresses, ending with the address of the
+        CUDA status the function writes; that status)."""
         result = ctypes.c_int32(0)
         run, handle = self._runtime
 
@@ -323,18 +325,18 @@ class FastLauncher:
                 raise RuntimeError(f"kernel launch failed: CuTe DSL runtime error {status}")
 
         self._capi = call
-        return result
+        return (lambda addresses: addresses + [ctypes.addressof(result)]), result
 
-    def _set_up(self, args: tuple, packed_args, result) -> None:
+    def _set_up(self, args: tuple, packed_args: Callable[[list[int]], list[int]], result) -> None:
         """The word buffer, the pointer array (``packed_args`` turns the
-        arguments' addresses into it; [] appends the status's address) and
-        the C launcher, for this call's pattern of present arguments."""
+        arguments' addresses into it) and the C launchers, for this call's
+        pattern of present arguments."""
         present = self._check_present(args)
         pack, starts, words = make_packer(self._abi, present)
         buf = array.array("q", [0] * max(1, words))
         base = buf.buffer_info()[0]
         addresses = [base + _WORD * w for w in starts]
-        packed = packed_args(addresses) if callable(packed_args) else addresses + [ctypes.addressof(result)]
+        packed = packed_args(addresses)
         self._pack, self._buf, self._nargs = pack, buf, len(args)
         self._packed = (ctypes.c_void_p * len(packed))(*packed)
         self._result = result
@@ -343,25 +345,16 @@ class FastLauncher:
         self._placed = layout(self._abi, present)[0]
         self._context = current_context()
         self._device = next((a.get_device() for a in args if getattr(a, "is_cuda", False)), -1)
-        if self._entry[0]:
-            self._c = _c_launcher(self._entry, self._result, self._packed, buf, self._placed, len(args))
-        if self._c is not None and self._context[1]:  # without a context to check, the guard decides
-            self.checked = self._checked_launcher(c_fields(self._placed))
-
-
-def _c_launcher(entry: tuple[int, int, int], result: Any, packed: Any, buf: array.array, placed: list, nargs: int):
-    """The C launcher over the same buffer and pointer array (it holds
-    both), or None where it cannot run.  ``entry``: FastLauncher's."""
-    module, api, tensor = _c_module()
-    if module is None:
-        return None
-    address, run, count = entry
-    try:
-        return module.Launcher(address, packed, buf, result, nargs, c_fields(placed), api, tensor, 0, 0, run, count)
-    except (ValueError, TypeError, RuntimeError) as err:  # a layout it does not take: ctypes launches this one
-        warnings.warn(f"quack: a kernel launches through ctypes: the C launcher refused its layout ({err})",
-                      stacklevel=4)
-        return None
+        if not self._entry[0] or _c_module()[0] is None:
+            return
+        try:
+            self._c = self._launcher(c_fields(self._placed), checked=False)
+        except (ValueError, TypeError, RuntimeError) as err:  # a layout it does not take: ctypes launches this one
+            warnings.warn(f"quack: a kernel launches through ctypes: the C launcher refused its layout ({err})",
+                          stacklevel=4)
+            return
+        if self._context[1]:  # without a context to check against, the handle's guard decides
+            self.checked = self._launcher(c_fields(self._placed), checked=True)
 
 
 @functools.lru_cache(maxsize=None)
