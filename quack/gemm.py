@@ -1,13 +1,20 @@
 """Hopper GEMM as a cached, torch-callable op: ``quack.gemm(A, B, out_dtype, cu_seqlens_m)``.
 
-Dense: A (M, K) @ B (K, N), B row- or column-major.  Variable-length M:
+Dense: A (M, K) @ B (K, N), each row- or column-major.  Variable-length M:
 A (total_M, K) packed by groups, B (G, K, N), ``cu_seqlens_m`` (G + 1,) int32
 with cu[0] = 0, non-decreasing, cu[G] = total_M; group g's rows
 ``A[cu[g]:cu[g+1]]`` multiply ``B[g]`` (empty groups are fine).  bf16 or fp16
 inputs, fp32 accumulation, bf16 or fp16 output (the input dtype by default).
 
-The compiled object depends on the dtypes, B's layout, dense or varlen and the
-tile configuration, never on M, N, K or G: those are dynamic, so one object
+Autograd: dA = dC @ Bᵀ and dB = Aᵀ @ dC are this same kernel on views, the
+transposes flipping those operands' layouts (an M-contiguous A is one of the
+kernel's two A layouts), so nothing is copied; the forward saves A and B
+themselves.  A call that will be differentiated plans the backward's
+products with its own kernel, so warming it warms them too.  A grouped
+call's dB contracts over variable-length groups of rows: not implemented yet.
+
+The compiled object depends on the dtypes, A's and B's layouts, dense or
+varlen and the tile configuration, never on M, N, K or G: those are dynamic, so one object
 serves every problem size and compile-only warming works from tests that size
 their inputs with ``.item()`` on fake tensors.  TMA needs K and N multiples of
 8, row strides multiples of 8 elements and 16-byte aligned bases: checked with
@@ -38,7 +45,7 @@ import torch
 from quack import fastpath, occupancy
 from quack import torch_interop as ti
 from quack.cache import compile_options, jit_cache
-from quack.compile_only import is_compile_only
+from quack.compile_only import differentiable_outputs, is_compile_only
 from quack.cute_op import cute_op
 from quack.plan import Kernel, Plan, Signature, plan_for, signature
 from quack.gemm_threads import cta_threads
@@ -74,8 +81,10 @@ _FAST = fastpath.Closures()
 
 
 @jit_cache("gemm")
-def compile_gemm(ab_dtype: str, d_dtype: str, b_n_major: bool, varlen: bool, config: tuple):
-    """Compile one configuration; every dimension is symbolic."""
+def compile_gemm(ab_dtype: str, d_dtype: str, a_m_major: bool, b_n_major: bool, varlen: bool, config: tuple):
+    """Compile one configuration; every dimension is symbolic.  ``a_m_major``:
+    A's M dimension is the contiguous one (a transposed view, as Aᵀ is in a
+    weight gradient); ``b_n_major``: B's N dimension is."""
     import cutlass.cute as cute
     from cutlass import Int32
 
@@ -89,13 +98,12 @@ def compile_gemm(ab_dtype: str, d_dtype: str, b_n_major: bool, varlen: bool, con
         return cute.sym_int64(divisibility=_ALIGN_ELEMENTS)
 
     fake = cute.runtime.make_fake_tensor
-    a = fake(ab, (m, k), (stride(), 1), assumed_align=16)
+    a = fake(ab, (m, k), (1, stride()) if a_m_major else (stride(), 1), assumed_align=16)
     b = fake(ab, (groups, k, n) if b_n_major else (groups, n, k), (stride(), stride(), 1), assumed_align=16)
     d = fake(dt, (m, n), (stride(), 1), assumed_align=16)
     cu = cute.runtime.make_fake_compact_tensor(Int32, (cute.sym_int(),), assumed_align=4) if varlen else None
     kernel = HopperGemm(cfg.tile_m, cfg.tile_n, cfg.cluster_m, cfg.cluster_n, cfg.band, b_n_major)
     return cute.compile(kernel, a, b, d, cu, Int32(1), cute.runtime.make_fake_stream(), options=compile_options())
-
 
 # A varlen plan holds one object per class of rows per group: which one
 # runs depends on a runtime size (and on a sentinel under compile-only).
@@ -105,37 +113,67 @@ GROUP_CLASSES = (("small_groups", 1.0), ("large_groups", float(LARGE_GROUP_ROWS)
 @signature
 class GemmCall(Signature):
     """What decides a ``quack.gemm`` call's kernels: the input and output
-    dtypes, B's layout (N-contiguous or not), dense or varlen, and the tile
-    width ``gemm_config`` picks for N."""
+    dtypes, A's and B's layouts (M- or N-contiguous, or K-contiguous), dense
+    or varlen, the tile width ``gemm_config`` picks for N, whether autograd
+    will run the call's backward and, if so, the tile width of dA's product
+    (``gemm_config`` of K; 0 without a backward)."""
 
     OP: ClassVar[str] = "gemm"
     ab_dtype: str
     out_dtype: str
+    a_m_major: bool
     b_n_major: bool
     varlen: bool
     tile_n: int
+    backward: bool
+    grad_a_tile_n: int
 
     def kernels(self):
-        args = (self.ab_dtype, self.out_dtype, self.b_n_major, self.varlen)
+        args = (self.ab_dtype, self.out_dtype, self.a_m_major, self.b_n_major, self.varlen)
         if not self.varlen:
-            return (("dense", Kernel(compile_gemm, (*args, tuple(gemm_config(self.tile_n))))),)
-        return tuple(
-            (role, Kernel(compile_gemm, (*args, tuple(gemm_config(self.tile_n, rows))))) for role, rows in GROUP_CLASSES
+            own = (("dense", Kernel(compile_gemm, (*args, tuple(gemm_config(self.tile_n))))),)
+        else:
+            own = tuple(
+                (role, Kernel(compile_gemm, (*args, tuple(gemm_config(self.tile_n, rows)))))
+                for role, rows in GROUP_CLASSES
+            )
+        # The backward's products are GEMM calls of their own, listed here so
+        # that warming this call warms them too.
+        grads = tuple(
+            (f"{name}:{role}", kernel)
+            for name, call in self.gradient_calls()
+            for role, kernel in call.kernels()
         )
+        return own + grads
+
+    def gradient_calls(self) -> tuple[tuple[str, "GemmCall"], ...]:
+        """The calls the backward makes when autograd hands it a row-major dC
+        (torch's own ops do; another layout is copied or has a plan of its
+        own): dA = dC @ Bᵀ and, dense, dB = Aᵀ @ dC.  Both in the inputs'
+        dtype, through views: Bᵀ and Aᵀ flip those operands' layouts."""
+        if not self.backward:
+            return ()
+        ab = self.ab_dtype
+        grad_a = GemmCall(ab, ab, False, not self.b_n_major, self.varlen, self.grad_a_tile_n, False, 0)
+        if self.varlen:
+            return (("grad_a", grad_a),)
+        grad_b = GemmCall(ab, ab, not self.a_m_major, True, False, self.tile_n, False, 0)
+        return (("grad_a", grad_a), ("grad_b", grad_b))
 
 
-def call_signature(a, b3, out, cu_seqlens, b_n_major: bool) -> GemmCall:
-    """The signature of a call on validated operands (b3 as ``_b_view`` gives it)."""
+def call_signature(a, b3, out, cu_seqlens, a_m_major: bool, b_n_major: bool, backward: bool = False) -> GemmCall:
+    """The signature of a call on validated operands (a and b3 as ``_a_view``
+    and ``_b_view`` give them)."""
     return GemmCall(
-        ti.dtype_name(a.dtype), ti.dtype_name(out.dtype), b_n_major, cu_seqlens is not None,
-        gemm_config(out.shape[1]).tile_n,
+        ti.dtype_name(a.dtype), ti.dtype_name(out.dtype), a_m_major, b_n_major, cu_seqlens is not None,
+        gemm_config(out.shape[1]).tile_n, backward, gemm_config(a.shape[1]).tile_n if backward else 0,
     )
 
 
 def _run(plan: Plan, a, b3, out, cu_seqlens) -> None:
     """Check TMA's alignment rules on the tensors the kernel gets, then warm
     (compile-only) or launch the plan's object for this size."""
-    _check_tma("A", a)
+    _check_tma("A", a, 0 if plan.signature.a_m_major else -1)
     _check_tma("B", b3)
     if is_compile_only():
         plan.warm()
@@ -150,17 +188,18 @@ def _run(plan: Plan, a, b3, out, cu_seqlens) -> None:
 
 @cute_op("quack::gemm", mutates_args=("out",))
 def _gemm(a: torch.Tensor, b3: torch.Tensor, out: torch.Tensor, cu_seqlens: Optional[torch.Tensor],
-          b_n_major: bool) -> None:
-    """The registered op, which torch.compile's graphs call: b3 is (L, K, N)
-    if ``b_n_major`` else (L, N, K); the plan comes from the real tensors."""
-    _run(plan_for(call_signature(a, b3, out, cu_seqlens, b_n_major)), a, b3, out, cu_seqlens)
+          a_m_major: bool, b_n_major: bool) -> None:
+    """The registered op, which torch.compile's graphs call: a is (M, K),
+    M-contiguous if ``a_m_major``; b3 is (L, K, N) if ``b_n_major`` else
+    (L, N, K); the plan comes from the real tensors."""
+    _run(plan_for(call_signature(a, b3, out, cu_seqlens, a_m_major, b_n_major)), a, b3, out, cu_seqlens)
 
 
-def launch_gemm(a, b3, out, cu_seqlens, b_n_major: bool, cfg: GemmConfig) -> None:
+def launch_gemm(a, b3, out, cu_seqlens, b_n_major: bool, cfg: GemmConfig, a_m_major: bool = False) -> None:
     """Run a configuration of the caller's choice on validated operands
     (tools/bench/gemm_configs.py compares them; the op runs its plan's)."""
-    kernel = compile_gemm(ti.dtype_name(a.dtype), ti.dtype_name(out.dtype), b_n_major, cu_seqlens is not None,
-                          tuple(cfg))
+    kernel = compile_gemm(ti.dtype_name(a.dtype), ti.dtype_name(out.dtype), a_m_major, b_n_major,
+                          cu_seqlens is not None, tuple(cfg))
     _launch(kernel, cfg, a, b3, out, cu_seqlens)
 
 
@@ -177,14 +216,27 @@ def _check_operand(name: str, t: torch.Tensor, like: Optional[torch.Tensor]) -> 
     ti.check_cuda(name, t, like)
 
 
-def _check_tma(name: str, t: torch.Tensor) -> None:
+def _check_tma(name: str, t: torch.Tensor, unit_dim: int = -1) -> None:
     """TMA wants a 16-byte aligned base and 16-byte multiples for every
-    stride but the unit one."""
+    stride but the unit one (``unit_dim``)."""
     if ti.address(t) % 16:
         raise ValueError(f"{name} must start at a 16-byte aligned address (TMA)")
-    for dim, stride in enumerate(t.stride()[:-1]):
-        if stride % _ALIGN_ELEMENTS:
+    for dim, stride in enumerate(t.stride()):
+        if dim != unit_dim % t.dim() and stride % _ALIGN_ELEMENTS:
             raise ValueError(f"{name} stride {stride} of dim {dim} must be a multiple of {_ALIGN_ELEMENTS} (TMA)")
+
+
+def _a_view(a: torch.Tensor, varlen: bool):
+    """(A as the kernel takes it, M-major?): K-contiguous as it is; a dense
+    call's M-contiguous A (a transposed view, with a stride TMA takes) as it
+    is; anything else copied row-major."""
+    if a.stride(-1) == 1:
+        return a, False
+    if a.stride(-2) == 1 and a.stride(-1) % _ALIGN_ELEMENTS == 0 and not varlen:
+        return a, True
+    if a.shape[-1] == 1:
+        return a, False  # K = 1: K's stride means nothing (``_unit_strides``)
+    return a.contiguous(), False
 
 
 def _b_view(b: torch.Tensor):
@@ -219,6 +271,11 @@ def _check_dims(a, b, cu_seqlens) -> None:
     k, n = a.shape[1], b.shape[-1]
     if k % _ALIGN_ELEMENTS or n % _ALIGN_ELEMENTS:
         raise ValueError(f"K = {k} and N = {n} must be multiples of {_ALIGN_ELEMENTS} (TMA)")
+    groups = b.shape[0] if b.dim() == 3 else 1
+    if max(a.shape[0], n, k) + groups * 256 >= 2**31:
+        raise ValueError(f"M = {a.shape[0]}, N = {n}, K = {k} with {groups} groups: dims must stay below 2^31 (int32)")
+    if cu_seqlens is not None and groups == 0 and a.shape[0] > 0:
+        raise ValueError(f"cu_seqlens_m has no groups but A has {a.shape[0]} rows")
 
 
 def gemm(A: torch.Tensor, B: torch.Tensor, out_dtype: Optional[torch.dtype] = None,
@@ -226,8 +283,10 @@ def gemm(A: torch.Tensor, B: torch.Tensor, out_dtype: Optional[torch.dtype] = No
     """A @ B (dense) or the grouped product described in the module docstring.
 
     Raises TypeError for wrong dtypes and ValueError for wrong devices, shapes,
-    strides or alignment, before any launch.  A is copied to row-major if it is
-    not; B may be row- or column-major (per group).  Not differentiable.
+    strides or alignment, before any launch.  A may be row-major or (dense)
+    column-major, a transposed view; B row- or column-major (per group); other
+    layouts are copied.  Differentiable: A's gradient always, B's for a dense
+    call (a grouped call's needs variable-length K: NotImplementedError).
     Grouped: output rows outside [cu[0], cu[G]) are left unwritten; a
     malformed cu_seqlens_m gives wrong rows, never an access outside A or D.
     """
@@ -242,31 +301,95 @@ def gemm(A: torch.Tensor, B: torch.Tensor, out_dtype: Optional[torch.dtype] = No
     if out_dtype not in INPUT_DTYPES:
         raise TypeError(f"out_dtype must be torch.bfloat16 or torch.float16, got {out_dtype}")
     _check_dims(A, B, cu_seqlens_m)
-    a = A if A.stride(-1) == 1 or A.shape[-1] == 1 else A.contiguous()
-    b3, b_n_major = _b_view(B if B.dim() == 3 else B.unsqueeze(0))
-    m, k, n = a.shape[0], a.shape[1], B.shape[-1]
-    groups = b3.shape[0]
-    if max(m, n, k) + groups * 256 >= 2**31:
-        raise ValueError(f"M = {m}, N = {n}, K = {k} with {groups} groups: dims must stay below 2^31 (int32)")
-    if cu_seqlens_m is not None and groups == 0 and m > 0:
-        raise ValueError(f"cu_seqlens_m has no groups but A has {m} rows")
-    out = torch.empty(m, n, device=A.device, dtype=out_dtype)
-    if m == 0 or n == 0:
-        return out
-    if k == 0:
-        return out.zero_()
     cu = cu_seqlens_m.contiguous() if cu_seqlens_m is not None else None
-    a, b3 = _unit_strides(a), _unit_strides(b3)
+    if not ti.will_backward(A, B):
+        ops = _operands(A, B, out_dtype, cu)
+        if key is not None and not (ops.a is A and ops.b3.data_ptr() == B.data_ptr()):
+            key = None  # a copy: the fast path would launch A and B themselves
+        return _product(ops, cu, key=key)
+    if cu is not None and B.requires_grad:
+        raise NotImplementedError(
+            "quack.gemm: the gradient of a grouped GEMM's B (variable-length K) is not implemented yet; "
+            "A's gradient is (B.requires_grad_(False) to take it)"
+        )
+    # Kernels take plain tensors (DLPack refuses ones that require grad).
+    ops = _operands(A.detach(), B.detach(), out_dtype, cu)
+    plan = _plan(ops, cu, backward=True)
+    if is_compile_only():
+        # Warm the forward's and the backward's kernels; no graph on fake tensors.
+        return differentiable_outputs(_product(ops, cu, plan), True)
+    return _GemmFunction.apply(A, B, ops, cu, plan)
+
+
+class _Operands(NamedTuple):
+    """A call's tensors as the kernel takes them (``_a_view``, ``_b_view``)
+    and its output."""
+
+    a: torch.Tensor
+    a_m_major: bool
+    b3: torch.Tensor
+    b_n_major: bool
+    out: torch.Tensor
+
+
+def _operands(A, B, out_dtype, cu) -> _Operands:
+    """The kernel's views of checked operands (any sizes: the backward's
+    products contract over M) and a new output."""
+    a, a_m_major = _a_view(A, cu is not None)
+    b3, b_n_major = _b_view(B if B.dim() == 3 else B.unsqueeze(0))
+    out = torch.empty(a.shape[0], b3.shape[2] if b_n_major else b3.shape[1], device=A.device, dtype=out_dtype)
+    return _Operands(a if a_m_major else _unit_strides(a), a_m_major, _unit_strides(b3), b_n_major, out)
+
+
+def _plan(ops: _Operands, cu, backward: bool = False) -> Optional[Plan]:
+    """The plan of the call's signature (``backward``: it also holds the
+    backward's kernels), empty products included; None while torch.compile
+    traces (no addresses: the registered op takes its plan from the real
+    tensors when the graph runs)."""
     if torch.compiler.is_compiling():
-        # No addresses while torch.compile traces: the registered op takes
-        # its plan from the real tensors when the graph runs.
-        _gemm(a, b3, out, cu, b_n_major)
-    else:
-        plan = plan_for(call_signature(a, b3, out, cu, b_n_major))
-        _run(plan, a, b3, out, cu)
-        if cu is None and a is A and b3.data_ptr() == B.data_ptr():  # views, no copies
-            _FAST.remember(key, lambda: _dense_closure(plan, b3, out))
+        return None
+    return plan_for(call_signature(ops.a, ops.b3, ops.out, cu, ops.a_m_major, ops.b_n_major, backward))
+
+
+def _product(ops: _Operands, cu, plan: Optional[Plan] = None, key: Optional[bytes] = None) -> torch.Tensor:
+    """Run one product into ``ops.out`` through ``plan`` (None: this call's
+    own, planned here).  ``key``: the fast path's description of the call,
+    to leave a closure for its like.  An empty product launches nothing
+    (compile-only mode still warms its plan, as for any call)."""
+    out = ops.out
+    plan = plan if plan is not None else _plan(ops, cu)
+    if out.numel() == 0 or ops.a.shape[1] == 0:
+        if plan is not None and is_compile_only():
+            plan.warm()
+        return out.zero_()
+    if plan is None:
+        _gemm(ops.a, ops.b3, out, cu, ops.a_m_major, ops.b_n_major)
+        return out
+    _run(plan, ops.a, ops.b3, out, cu)
+    if key is not None and cu is None:
+        _FAST.remember(key, lambda: _dense_closure(plan, ops.b3, out))
     return out
+
+
+class _GemmFunction(torch.autograd.Function):
+    """dA = dC @ Bᵀ and dB = Aᵀ @ dC, each one GEMM on views (no transposed
+    copies); the forward saves the A its kernel read and B."""
+
+    @staticmethod
+    def forward(ctx, A, B, ops, cu, plan):
+        ctx.save_for_backward(ops.a, B.detach(), cu)
+        return _product(ops, cu, plan)
+
+    @staticmethod
+    def backward(ctx, dc):
+        a, b, cu = ctx.saved_tensors
+        dc = dc.to(a.dtype)  # an out_dtype other than the inputs'
+        da = db = None
+        if ctx.needs_input_grad[0]:
+            da = _product(_operands(dc, b.transpose(-1, -2), a.dtype, cu), cu)
+        if ctx.needs_input_grad[1]:
+            db = _product(_operands(a.t(), dc, b.dtype, None), None)
+        return da, db, None, None, None
 
 
 # The fast path's key spells out_dtype as a number (-1: one the checks refuse).
@@ -299,7 +422,8 @@ def _dense_closure(plan: Plan, b3: torch.Tensor, out: torch.Tensor):
 
 def _unit_strides(t: torch.Tensor) -> torch.Tensor:
     """The same view with each size-1 dim's (meaningless) stride replaced by
-    the extent of what follows it, so every stride meets TMA's rules."""
+    the extent of what follows it, so every stride meets TMA's rules (a
+    tensor whose last dim is the contiguous one)."""
     if 1 not in t.shape[:-1]:
         return t
     strides = list(t.stride())

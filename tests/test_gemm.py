@@ -34,9 +34,11 @@ def _cu(lengths):
 
 
 # Every option of quack.gemm, crossed (quack/testing/matrix.py): the input
-# dtype, B's layout (row-major: N contiguous; column-major: K contiguous), the
-# output dtype, dense or grouped by cu_seqlens_m (with empty groups, groups of
-# 1-3 rows, large groups), and the GEMM's size classes:
+# dtype, A's layout (row-major: K contiguous; column-major: M contiguous, a
+# transposed view), B's (row-major: N contiguous; column-major: K
+# contiguous), the output dtype, dense or grouped by cu_seqlens_m (with empty
+# groups, groups of 1-3 rows, large groups), which gradients autograd takes
+# (B is the parameter), and the GEMM's size classes:
 # M: none, one row, a partial 128-row tile, many tiles (for grouped calls, the
 #    total over the groups);
 # K: none (zeros), one 8-wide step (below the 64-wide k-tile), an odd
@@ -45,14 +47,17 @@ def _cu(lengths):
 #    tile (264) and two of them plus a step (520).
 TABLE = {
     "dtype": [torch.bfloat16, torch.float16],
+    "a_layout": ["row", "col"],
     "b_layout": ["row", "col"],
     "out_dtype": [None, torch.bfloat16, torch.float16],
     "grouping": ["dense", "varlen_empty", "varlen_tiny", "varlen_large"],
+    "mode": list(matrix.MODES),
     "m": [0, 1, 200, 1000],
     "k": [0, 8, 24, 72, 1096],
     "n": [8, 128, 136, 264, 520],
 }
 CASES = matrix.cases(TABLE, paired=list(TABLE))
+PARAMS = ("b",)
 
 
 def _group_lengths(grouping: str, m: int) -> list[int]:
@@ -69,12 +74,12 @@ def _group_lengths(grouping: str, m: int) -> list[int]:
     return [m // 2, m - m // 2]
 
 
-def _b(groups, k, n, dtype, layout):
-    """B of shape ([G,] K, N), row- or column-major per group."""
-    shape = (k, n) if groups is None else (groups, k, n)
+def _operand(*shape, dtype, layout):
+    """A tensor of ``shape`` whose last dim (row-major) or the one before it
+    (column-major, a transposed view) is contiguous."""
     if layout == "row":
         return _randn(*shape, dtype=dtype)
-    return _randn(*shape[:-2], n, k, dtype=dtype).transpose(-1, -2)
+    return _randn(*shape[:-2], shape[-1], shape[-2], dtype=dtype).transpose(-1, -2)
 
 
 def _gemm_fns(cu, out_dtype):
@@ -107,8 +112,18 @@ def test_matrix(case):
         lengths = _group_lengths(case["grouping"], m)
         cu, m = _cu(lengths)
         groups = len(lengths)
-    inputs = {"a": _randn(m, k, dtype=dtype), "b": _b(groups, k, n, dtype, case["b_layout"])}
-    matrix.check_case(*_gemm_fns(cu, case["out_dtype"]), inputs, (), matrix.EVAL, None)
+    b_shape = (k, n) if groups is None else (groups, k, n)
+    inputs = {
+        "a": _operand(m, k, dtype=dtype, layout=case["a_layout"]),
+        "b": _operand(*b_shape, dtype=dtype, layout=case["b_layout"]),
+    }
+    mode = case["mode"]
+    if cu is not None and mode != matrix.INFERENCE and matrix.requires_grad(mode, "b", PARAMS):
+        # A grouped B's gradient (variable-length K) is not implemented yet: a clear error.
+        with pytest.raises(NotImplementedError, match="variable-length K"):
+            quack.gemm(inputs["a"], inputs["b"].requires_grad_(), cu_seqlens_m=cu)
+        return
+    matrix.check_case(*_gemm_fns(cu, case["out_dtype"]), inputs, PARAMS, mode, matrix.random_cotangents)
 
 
 GROUPS = [
@@ -199,3 +214,36 @@ def test_single_row_with_odd_row_stride():
     a = _randn(1, 200).as_strided((1, 64), (12, 1))
     b = _randn(64, 128)
     _close(quack.gemm(a, b), gemm_ref(a, b))
+
+
+def test_torch_compile_fullgraph_with_autograd():
+    # dA and dB through the compiled graph's registered ops; B column-major.
+    torch.manual_seed(0)
+    inputs = {"a": _randn(300, 256), "b": _operand(256, 520, dtype=torch.bfloat16, layout="col")}
+    ours, ref, theirs = _gemm_fns(None, None)
+    matrix.check_case(
+        matrix.compiled(lambda a, b: ours(a, b) * 2), lambda **t: ref(**t) * 2, lambda **t: theirs(**t) * 2,
+        inputs, PARAMS, "grad_all", matrix.random_cotangents,
+    )
+
+
+@pytest.mark.no_compile_only  # autograd runs only on the GPU; the matrix warms these plans
+@pytest.mark.parametrize("a_layout", ["row", "col"])
+@pytest.mark.parametrize("b_layout", ["row", "col"])
+def test_backward_runs_the_planned_products(a_layout, b_layout, monkeypatch):
+    # The backward's two products are the calls the forward's plan lists, so
+    # warming a training call warms what its backward launches.
+    import quack.gemm as gemm_module
+
+    seen = []
+    real_plan_for = gemm_module.plan_for
+    monkeypatch.setattr(gemm_module, "plan_for", lambda sig: seen.append(sig) or real_plan_for(sig))
+    a = _operand(200, 136, dtype=torch.bfloat16, layout=a_layout).requires_grad_()
+    b = _operand(136, 264, dtype=torch.bfloat16, layout=b_layout).requires_grad_()
+    dc = _randn(200, 264)
+    quack.gemm(a, b).backward(dc)
+    forward, *backward = seen
+    assert forward.backward and not any(sig.backward for sig in backward)
+    assert backward == [call for _, call in forward.gradient_calls()]
+    _close(a.grad, gemm_ref(dc, b.detach().t()))
+    _close(b.grad, gemm_ref(a.detach().t(), dc))

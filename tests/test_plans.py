@@ -45,6 +45,8 @@ def _captured_case(test_module, case, monkeypatch):
 
     monkeypatch.setattr(matrix, "check_case", capture)
     test_module.test_matrix(case)
+    if not got:
+        pytest.skip("the case checks an error, not a call")
     return got["ours"], got["inputs"], got["params"], got["mode"]
 
 
@@ -121,8 +123,7 @@ def test_compile_only_warms_the_eager_plan(op, case, monkeypatch, gpu_stand_in):
         return
     assert warmed == _objects(eager), f"eager plan {quack.plan.entry_line(eager.signature)}"
     # A backward runs exactly when the GPU run takes gradients.
-    if op != "gemm":
-        assert eager.signature.backward == bool(grads and not no_grad)
+    assert eager.signature.backward == bool(grads and not no_grad)
 
 
 def _in_no_grad(x, weight):

@@ -1,7 +1,7 @@
 """Manifests: lists of call signatures, the one format for every op.
 
 A manifest is a JSON Lines file: a header line ``{"format": "quack-calls",
-"version": 3}``, then one signature per line (``quack/plan.py``:
+"version": 4}``, then one signature per line (``quack/plan.py``:
 ``{"op": "layernorm", "dtype": "bfloat16", "n": 4096, ...}``); blank lines
 and lines starting with ``#`` are comments.  tools/warm_cache.py warms every
 entry through the plans; ``QUACK_CACHE_RECORD=FILE`` makes any run append the
@@ -24,7 +24,7 @@ import threading
 from pathlib import Path
 
 FORMAT = "quack-calls"
-VERSION = 3  # 3: cross_entropy signatures name their reduction (its forward reduces)
+VERSION = 4  # 4: gemm signatures name A's layout and their backward (3: cross_entropy's reduction)
 RECORD_ENV = "QUACK_CACHE_RECORD"
 HEADER = json.dumps({"format": FORMAT, "version": VERSION}, sort_keys=True)
 

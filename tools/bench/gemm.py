@@ -2,9 +2,11 @@
 
     python tools/bench/gemm.py [--plot gemm.png]
 
-Dense bf16 (M, K) @ (K, N) with bf16 output, and the grouped (variable-length
-M) products of issue 8: 8 groups of 2048 rows and 64 uneven groups summing to
-32768 rows, K = N = 4096.  The grouped references are ``torch._grouped_mm``
+Dense bf16 (M, K) @ (K, N) with bf16 output; the backward's two products on
+the same views autograd hands them (dA = dC @ Bᵀ, B's other layout, and
+dB = Aᵀ @ dC, an M-contiguous A), against cuBLAS on those views; and the
+grouped (variable-length M) products of issue 8: 8 groups of 2048 rows and
+64 uneven groups summing to 32768 rows, K = N = 4096, forward and dA.  The grouped references are ``torch._grouped_mm``
 (where this torch has it) and a loop of ``torch.matmul``.  Inputs are random
 (zeros would flatter every GEMM: the tensor cores draw less power).  Each
 figure is the median of three round-robin passes over the contenders.
@@ -24,6 +26,7 @@ import quack  # noqa: E402
 from harness import interleaved_ms, parse_args, plot  # noqa: E402
 
 DENSE = [(8192, 8192, 8192), (4096, 4096, 4096), (8192, 4096, 4096)]
+BACKWARD = [(8192, 8192, 8192), (4096, 4096, 4096)]
 
 
 def _uneven_lengths(groups: int, total: int) -> list[int]:
@@ -36,9 +39,13 @@ def _uneven_lengths(groups: int, total: int) -> list[int]:
     return lengths.tolist()
 
 
-def _grouped_case(lengths, k, n):
+def _grouped_case(lengths, k, n, grad_a: bool = False):
+    """The grouped product, or (``grad_a``) its dA = dC @ B[g]ᵀ on B's
+    transposed view (column-major per group: no copy for either side)."""
     a = torch.randn(sum(lengths), k, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(len(lengths), k, n, device="cuda", dtype=torch.bfloat16)
+    if grad_a:
+        b = torch.randn(len(lengths), n, k, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
     cu = torch.nn.functional.pad(torch.tensor(lengths, device="cuda").cumsum(0), (1, 0)).to(torch.int32)
     bounds = cu.tolist()
     impls = {
@@ -47,7 +54,8 @@ def _grouped_case(lengths, k, n):
         "matmul loop": lambda: [a[bounds[g]:bounds[g + 1]] @ b[g] for g in range(len(lengths))],
     }
     if hasattr(torch, "_grouped_mm"):
-        b_cm = b.transpose(1, 2).contiguous().transpose(1, 2)  # column-major per group, as cuBLASLt wants
+        # Column-major per group, as cuBLASLt wants (dA's B view already is).
+        b_cm = b if grad_a else b.transpose(1, 2).contiguous().transpose(1, 2)
         impls["torch._grouped_mm"] = lambda: torch._grouped_mm(a, b_cm, offs=cu[1:])
     return 2 * sum(lengths) * k * n, impls
 
@@ -61,9 +69,23 @@ def cases():
             "quack": lambda a=a, b=b: quack.gemm(a, b),
             "cuBLAS": lambda a=a, b=b: a @ b,
         }))
+    for m, n, k in BACKWARD:
+        dc = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+        b = torch.randn(k, n, device="cuda", dtype=torch.bfloat16)
+        a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        out.append((f"dA=dC@B^T {m}x{k}x{n}", 2 * m * n * k, {
+            "quack": lambda dc=dc, b=b: quack.gemm(dc, b.t()),
+            "cuBLAS": lambda dc=dc, b=b: dc @ b.t(),
+        }))
+        out.append((f"dB=A^T@dC {k}x{n}x{m}", 2 * m * n * k, {
+            "quack": lambda a=a, dc=dc: quack.gemm(a.t(), dc),
+            "cuBLAS": lambda a=a, dc=dc: a.t() @ dc,
+        }))
     for label, lengths in (("grouped 8x2048", [2048] * 8), ("grouped 64 uneven", _uneven_lengths(64, 32768))):
         flops, impls = _grouped_case(lengths, 4096, 4096)
         out.append((f"{label} K=N=4096", flops, impls))
+        flops, impls = _grouped_case(lengths, 4096, 4096, grad_a=True)
+        out.append((f"{label} dA", flops, impls))
     return out
 
 
