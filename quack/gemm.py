@@ -1,20 +1,25 @@
-"""Hopper GEMM as a cached, torch-callable op: ``quack.gemm(A, B, out_dtype, cu_seqlens_m)``.
+"""Hopper GEMM as a cached, torch-callable op: ``quack.gemm(A, B, out_dtype, cu_seqlens_m, cu_seqlens_k)``.
 
 Dense: A (M, K) @ B (K, N), each row- or column-major.  Variable-length M:
 A (total_M, K) packed by groups, B (G, K, N), ``cu_seqlens_m`` (G + 1,) int32
 with cu[0] = 0, non-decreasing, cu[G] = total_M; group g's rows
 ``A[cu[g]:cu[g+1]]`` multiply ``B[g]`` (empty groups are fine).  bf16 or fp16
 inputs, fp32 accumulation, bf16 or fp16 output (the input dtype by default).
+Variable-length K: A (M, total_K), B (total_K, N), ``cu_seqlens_k`` (G + 1,)
+int32 splitting total_K; returns (G, M, N), group g contracting over
+``cu[g]:cu[g+1]`` (an empty group gives zeros): the weight gradient of a
+grouped GEMM, whose A is a transposed view (an M-contiguous A, not copied).
 
 Autograd: dA = dC @ Bᵀ and dB = Aᵀ @ dC are this same kernel on views, the
 transposes flipping those operands' layouts (an M-contiguous A is one of the
 kernel's two A layouts), so nothing is copied; the forward saves A and B
 themselves.  A call that will be differentiated plans the backward's
-products with its own kernel, so warming it warms them too.  A grouped
-call's dB contracts over variable-length groups of rows: not implemented yet.
+products with its own kernel, so warming it warms them too.  A call grouped
+by rows has dB[g] = A[rows of g]ᵀ @ dC[rows of g], the variable-length-K
+product.
 
-The compiled object depends on the dtypes, A's and B's layouts, dense or
-varlen and the tile configuration, never on M, N, K or G: those are dynamic, so one object
+The compiled object depends on the dtypes, A's and B's layouts, the
+grouping (dense, rows, K) and the tile configuration, never on M, N, K or G: those are dynamic, so one object
 serves every problem size and compile-only warming works from tests that size
 their inputs with ``.item()`` on fake tensors.  TMA needs K and N multiples of
 8, row strides multiples of 8 elements and 16-byte aligned bases: checked with
@@ -81,10 +86,11 @@ _FAST = fastpath.Closures()
 
 
 @jit_cache("gemm")
-def compile_gemm(ab_dtype: str, d_dtype: str, a_m_major: bool, b_n_major: bool, varlen: bool, config: tuple):
+def compile_gemm(ab_dtype: str, d_dtype: str, a_m_major: bool, b_n_major: bool, grouping: str, config: tuple):
     """Compile one configuration; every dimension is symbolic.  ``a_m_major``:
     A's M dimension is the contiguous one (a transposed view, as Aᵀ is in a
-    weight gradient); ``b_n_major``: B's N dimension is."""
+    weight gradient); ``b_n_major``: B's N dimension is; ``grouping``: one of
+    ``GROUPINGS``."""
     import cutlass.cute as cute
     from cutlass import Int32
 
@@ -101,11 +107,15 @@ def compile_gemm(ab_dtype: str, d_dtype: str, a_m_major: bool, b_n_major: bool, 
     a = fake(ab, (m, k), (1, stride()) if a_m_major else (stride(), 1), assumed_align=16)
     b = fake(ab, (groups, k, n) if b_n_major else (groups, n, k), (stride(), stride(), 1), assumed_align=16)
     d = fake(dt, (m, n), (stride(), 1), assumed_align=16)
-    cu = cute.runtime.make_fake_compact_tensor(Int32, (cute.sym_int(),), assumed_align=4) if varlen else None
-    kernel = HopperGemm(cfg.tile_m, cfg.tile_n, cfg.cluster_m, cfg.cluster_n, cfg.band, b_n_major)
+    grouped = grouping != "dense"
+    cu = cute.runtime.make_fake_compact_tensor(Int32, (cute.sym_int(),), assumed_align=4) if grouped else None
+    kernel = HopperGemm(cfg.tile_m, cfg.tile_n, cfg.cluster_m, cfg.cluster_n, cfg.band, b_n_major,
+                        varlen_k=grouping == "varlen_k")
     return cute.compile(kernel, a, b, d, cu, Int32(1), cute.runtime.make_fake_stream(), options=compile_options())
 
-# A varlen plan holds one object per class of rows per group: which one
+# dense; grouped by rows (cu_seqlens_m); grouped along K (cu_seqlens_k).
+GROUPINGS = ("dense", "varlen_m", "varlen_k")
+# A varlen-M plan holds one object per class of rows per group: which one
 # runs depends on a runtime size (and on a sentinel under compile-only).
 GROUP_CLASSES = (("small_groups", 1.0), ("large_groups", float(LARGE_GROUP_ROWS)))
 
@@ -113,8 +123,8 @@ GROUP_CLASSES = (("small_groups", 1.0), ("large_groups", float(LARGE_GROUP_ROWS)
 @signature
 class GemmCall(Signature):
     """What decides a ``quack.gemm`` call's kernels: the input and output
-    dtypes, A's and B's layouts (M- or N-contiguous, or K-contiguous), dense
-    or varlen, the tile width ``gemm_config`` picks for N, whether autograd
+    dtypes, A's and B's layouts (M- or N-contiguous, or K-contiguous), the
+    grouping (``GROUPINGS``), the tile width ``gemm_config`` picks for N, whether autograd
     will run the call's backward and, if so, the tile width of dA's product
     (``gemm_config`` of K; 0 without a backward)."""
 
@@ -123,15 +133,17 @@ class GemmCall(Signature):
     out_dtype: str
     a_m_major: bool
     b_n_major: bool
-    varlen: bool
+    grouping: str
     tile_n: int
     backward: bool
     grad_a_tile_n: int
 
     def kernels(self):
-        args = (self.ab_dtype, self.out_dtype, self.a_m_major, self.b_n_major, self.varlen)
-        if not self.varlen:
-            own = (("dense", Kernel(compile_gemm, (*args, tuple(gemm_config(self.tile_n))))),)
+        if self.grouping not in GROUPINGS:
+            raise ValueError(f"gemm grouping must be one of {GROUPINGS}, got {self.grouping!r}")
+        args = (self.ab_dtype, self.out_dtype, self.a_m_major, self.b_n_major, self.grouping)
+        if self.grouping != "varlen_m":
+            own = ((self.grouping, Kernel(compile_gemm, (*args, tuple(gemm_config(self.tile_n))))),)
         else:
             own = tuple(
                 (role, Kernel(compile_gemm, (*args, tuple(gemm_config(self.tile_n, rows)))))
@@ -149,25 +161,32 @@ class GemmCall(Signature):
     def gradient_calls(self) -> tuple[tuple[str, "GemmCall"], ...]:
         """The calls the backward makes when autograd hands it a row-major dC
         (torch's own ops do; another layout is copied or has a plan of its
-        own): dA = dC @ Bᵀ and, dense, dB = Aᵀ @ dC.  Both in the inputs'
-        dtype, through views: Bᵀ and Aᵀ flip those operands' layouts."""
+        own): dA = dC @ Bᵀ and dB = Aᵀ @ dC (for grouped rows: over each
+        group's rows, a variable-length K).  Both in the inputs' dtype,
+        through views: Bᵀ and Aᵀ flip those operands' layouts."""
         if not self.backward:
             return ()
         ab = self.ab_dtype
-        grad_a = GemmCall(ab, ab, False, not self.b_n_major, self.varlen, self.grad_a_tile_n, False, 0)
-        if self.varlen:
-            return (("grad_a", grad_a),)
-        grad_b = GemmCall(ab, ab, not self.a_m_major, True, False, self.tile_n, False, 0)
+        grad_a = GemmCall(ab, ab, False, not self.b_n_major, self.grouping, self.grad_a_tile_n, False, 0)
+        grad_b_grouping = "varlen_k" if self.grouping == "varlen_m" else "dense"
+        grad_b = GemmCall(ab, ab, not self.a_m_major, True, grad_b_grouping, self.tile_n, False, 0)
         return (("grad_a", grad_a), ("grad_b", grad_b))
 
 
 def call_signature(a, b3, out, cu_seqlens, a_m_major: bool, b_n_major: bool, backward: bool = False) -> GemmCall:
     """The signature of a call on validated operands (a and b3 as ``_a_view``
-    and ``_b_view`` give them)."""
+    and ``_b_view`` give them; out (G, M, N) for varlen K)."""
     return GemmCall(
-        ti.dtype_name(a.dtype), ti.dtype_name(out.dtype), a_m_major, b_n_major, cu_seqlens is not None,
-        gemm_config(out.shape[1]).tile_n, backward, gemm_config(a.shape[1]).tile_n if backward else 0,
+        ti.dtype_name(a.dtype), ti.dtype_name(out.dtype), a_m_major, b_n_major, grouping_of(out, cu_seqlens),
+        gemm_config(out.shape[-1]).tile_n, backward, gemm_config(a.shape[1]).tile_n if backward else 0,
     )
+
+
+def grouping_of(out: torch.Tensor, cu_seqlens: Optional[torch.Tensor]) -> str:
+    """A call's grouping: varlen K writes G stacked (M, N) products."""
+    if cu_seqlens is None:
+        return "dense"
+    return "varlen_k" if out.dim() == 3 else "varlen_m"
 
 
 def _run(plan: Plan, a, b3, out, cu_seqlens) -> None:
@@ -178,12 +197,12 @@ def _run(plan: Plan, a, b3, out, cu_seqlens) -> None:
     if is_compile_only():
         plan.warm()
         return
-    role = "dense"
-    if cu_seqlens is not None:
+    role = plan.signature.grouping
+    if role == "varlen_m":
         small = a.shape[0] / max(1, b3.shape[0]) < LARGE_GROUP_ROWS
         role = GROUP_CLASSES[0][0] if small else GROUP_CLASSES[1][0]
     kernel = plan.kernel_of(role)
-    _launch(kernel.load(), GemmConfig(*kernel.args[-1]), a, b3, out, cu_seqlens)
+    _launch(kernel.load(), GemmConfig(*kernel.args[-1]), a, b3, out.flatten(0, -2), cu_seqlens)
 
 
 @cute_op("quack::gemm", mutates_args=("out",))
@@ -191,7 +210,8 @@ def _gemm(a: torch.Tensor, b3: torch.Tensor, out: torch.Tensor, cu_seqlens: Opti
           a_m_major: bool, b_n_major: bool) -> None:
     """The registered op, which torch.compile's graphs call: a is (M, K),
     M-contiguous if ``a_m_major``; b3 is (L, K, N) if ``b_n_major`` else
-    (L, N, K); the plan comes from the real tensors."""
+    (L, N, K); out is (M, N), or (G, M, N) for varlen K; the plan comes from
+    the real tensors."""
     _run(plan_for(call_signature(a, b3, out, cu_seqlens, a_m_major, b_n_major)), a, b3, out, cu_seqlens)
 
 
@@ -199,8 +219,8 @@ def launch_gemm(a, b3, out, cu_seqlens, b_n_major: bool, cfg: GemmConfig, a_m_ma
     """Run a configuration of the caller's choice on validated operands
     (tools/bench/gemm_configs.py compares them; the op runs its plan's)."""
     kernel = compile_gemm(ti.dtype_name(a.dtype), ti.dtype_name(out.dtype), a_m_major, b_n_major,
-                          cu_seqlens is not None, tuple(cfg))
-    _launch(kernel, cfg, a, b3, out, cu_seqlens)
+                          grouping_of(out, cu_seqlens), tuple(cfg))
+    _launch(kernel, cfg, a, b3, out.flatten(0, -2), cu_seqlens)
 
 
 def _launch(kernel, cfg: GemmConfig, a, b3, out, cu_seqlens) -> None:
@@ -226,17 +246,18 @@ def _check_tma(name: str, t: torch.Tensor, unit_dim: int = -1) -> None:
             raise ValueError(f"{name} stride {stride} of dim {dim} must be a multiple of {_ALIGN_ELEMENTS} (TMA)")
 
 
-def _a_view(a: torch.Tensor, varlen: bool):
-    """(A as the kernel takes it, M-major?): K-contiguous as it is; a dense
-    call's M-contiguous A (a transposed view, with a stride TMA takes) as it
-    is; anything else copied row-major."""
+def _a_view(a: torch.Tensor, grouping: str):
+    """(A as the kernel takes it, M-major?): K-contiguous as it is; an
+    M-contiguous A (a transposed view, with a stride TMA takes) as it is,
+    except for grouped rows (whose tiles start at any row); anything else
+    copied row-major."""
     if a.stride(-1) == 1:
         return a, False
-    if a.stride(-2) == 1 and a.stride(-1) % _ALIGN_ELEMENTS == 0 and not varlen:
+    if a.stride(-2) == 1 and a.stride(-1) % _ALIGN_ELEMENTS == 0 and grouping != "varlen_m":
         return a, True
     if a.shape[-1] == 1:
         return a, False  # K = 1: K's stride means nothing (``_unit_strides``)
-    return a.contiguous(), False
+    return _row_major(a), False
 
 
 def _b_view(b: torch.Tensor):
@@ -246,51 +267,73 @@ def _b_view(b: torch.Tensor):
         return b, True
     if b.stride(-2) == 1:
         return b.transpose(-1, -2), False
-    return b.contiguous(), True
+    return _row_major(b), True
 
 
-def _check_dims(a, b, cu_seqlens) -> None:
+def _row_major(t: torch.Tensor) -> torch.Tensor:
+    """A row-major copy of ``t``; under compile-only, a new tensor of its
+    shape (only its layout matters there, and fake strided tensors cannot be
+    copied)."""
+    if is_compile_only():
+        return torch.empty(t.shape, dtype=t.dtype, device=t.device)
+    return t.contiguous()
+
+
+def _check_cu(name: str, cu: torch.Tensor, a: torch.Tensor, groups: Optional[int]) -> None:
+    """cu_seqlens: int32, on A's device, 1-D of G + 1 entries (``groups``: G,
+    where B says it)."""
+    if cu.dtype != torch.int32:
+        raise TypeError(f"{name} must be int32, got {cu.dtype}")
+    ti.check_cuda(name, cu, a)
+    if cu.dim() != 1 or cu.shape[0] < 1 or (groups is not None and cu.shape[0] != groups + 1):
+        want = f"({groups + 1},) for {groups} groups" if groups is not None else "(G + 1,)"
+        raise ValueError(f"{name} must have shape {want}, got {tuple(cu.shape)}")
+
+
+def _check_dims(a, b, cu_seqlens_m, cu_seqlens_k) -> None:
     if a.dim() != 2:
         raise ValueError(f"A must be 2-D (M, K), got shape {tuple(a.shape)}")
-    if cu_seqlens is None:
+    if cu_seqlens_m is not None and cu_seqlens_k is not None:
+        raise ValueError("give cu_seqlens_m or cu_seqlens_k, not both")
+    if cu_seqlens_m is None:
         if b.dim() != 2:
-            raise ValueError(f"B must be 2-D (K, N) for a dense GEMM, got shape {tuple(b.shape)}")
+            grouped = " with cu_seqlens_k" if cu_seqlens_k is not None else " for a dense GEMM"
+            raise ValueError(f"B must be 2-D (K, N){grouped}, got shape {tuple(b.shape)}")
+        if cu_seqlens_k is not None:
+            _check_cu("cu_seqlens_k", cu_seqlens_k, a, None)
     else:
         if b.dim() != 3:
             raise ValueError(f"B must be 3-D (G, K, N) with cu_seqlens_m, got shape {tuple(b.shape)}")
-        if cu_seqlens.dtype != torch.int32:
-            raise TypeError(f"cu_seqlens_m must be int32, got {cu_seqlens.dtype}")
-        ti.check_cuda("cu_seqlens_m", cu_seqlens, a)
-        if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] != b.shape[0] + 1:
-            raise ValueError(
-                f"cu_seqlens_m must have shape ({b.shape[0] + 1},) for {b.shape[0]} groups, "
-                f"got {tuple(cu_seqlens.shape)}"
-            )
+        _check_cu("cu_seqlens_m", cu_seqlens_m, a, b.shape[0])
     if a.shape[1] != b.shape[-2]:
         raise ValueError(f"K mismatch: A is {tuple(a.shape)}, B is {tuple(b.shape)}")
-    k, n = a.shape[1], b.shape[-1]
+    m, k, n = a.shape[0], a.shape[1], b.shape[-1]
     if k % _ALIGN_ELEMENTS or n % _ALIGN_ELEMENTS:
         raise ValueError(f"K = {k} and N = {n} must be multiples of {_ALIGN_ELEMENTS} (TMA)")
     groups = b.shape[0] if b.dim() == 3 else 1
-    if max(a.shape[0], n, k) + groups * 256 >= 2**31:
+    if cu_seqlens_k is not None:
+        groups = cu_seqlens_k.shape[0] - 1
+        m = m * max(groups, 1)  # the rows of D
+    if max(m, n, k) + groups * 256 >= 2**31:
         raise ValueError(f"M = {a.shape[0]}, N = {n}, K = {k} with {groups} groups: dims must stay below 2^31 (int32)")
-    if cu_seqlens is not None and groups == 0 and a.shape[0] > 0:
+    if cu_seqlens_m is not None and groups == 0 and a.shape[0] > 0:
         raise ValueError(f"cu_seqlens_m has no groups but A has {a.shape[0]} rows")
 
 
 def gemm(A: torch.Tensor, B: torch.Tensor, out_dtype: Optional[torch.dtype] = None,
-         cu_seqlens_m: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """A @ B (dense) or the grouped product described in the module docstring.
+         cu_seqlens_m: Optional[torch.Tensor] = None, cu_seqlens_k: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """A @ B (dense) or one of the grouped products in the module docstring.
 
     Raises TypeError for wrong dtypes and ValueError for wrong devices, shapes,
-    strides or alignment, before any launch.  A may be row-major or (dense)
-    column-major, a transposed view; B row- or column-major (per group); other
-    layouts are copied.  Differentiable: A's gradient always, B's for a dense
-    call (a grouped call's needs variable-length K: NotImplementedError).
-    Grouped: output rows outside [cu[0], cu[G]) are left unwritten; a
-    malformed cu_seqlens_m gives wrong rows, never an access outside A or D.
+    strides or alignment, before any launch.  A may be row-major or (except
+    with cu_seqlens_m) column-major, a transposed view; B row- or
+    column-major (per group); other layouts are copied.  Differentiable,
+    dense and with cu_seqlens_m (not with cu_seqlens_k: NotImplementedError).
+    Grouped rows: output rows outside [cu[0], cu[G]) are left unwritten (and
+    so is their gradient); a malformed cu_seqlens gives wrong values, never
+    an access outside A, B or D.
     """
-    key = fastpath.describe(A, B, cu_seqlens_m, _OUT_DTYPE_CODES.get(out_dtype, -1))
+    key = fastpath.describe(A, B, cu_seqlens_m, cu_seqlens_k, _OUT_DTYPE_CODES.get(out_dtype, -1))
     out = _FAST.call(key, A, B, out_dtype)
     if out is not NotImplemented:
         return out
@@ -300,20 +343,19 @@ def gemm(A: torch.Tensor, B: torch.Tensor, out_dtype: Optional[torch.dtype] = No
     out_dtype = A.dtype if out_dtype is None else out_dtype
     if out_dtype not in INPUT_DTYPES:
         raise TypeError(f"out_dtype must be torch.bfloat16 or torch.float16, got {out_dtype}")
-    _check_dims(A, B, cu_seqlens_m)
-    cu = cu_seqlens_m.contiguous() if cu_seqlens_m is not None else None
+    _check_dims(A, B, cu_seqlens_m, cu_seqlens_k)
+    grouping = "varlen_m" if cu_seqlens_m is not None else "varlen_k" if cu_seqlens_k is not None else "dense"
+    cu = cu_seqlens_m if cu_seqlens_m is not None else cu_seqlens_k
+    cu = cu.contiguous() if cu is not None else None
     if not ti.will_backward(A, B):
-        ops = _operands(A, B, out_dtype, cu)
+        ops = _operands(A, B, out_dtype, cu, grouping)
         if key is not None and not (ops.a is A and ops.b3.data_ptr() == B.data_ptr()):
             key = None  # a copy: the fast path would launch A and B themselves
         return _product(ops, cu, key=key)
-    if cu is not None and B.requires_grad:
-        raise NotImplementedError(
-            "quack.gemm: the gradient of a grouped GEMM's B (variable-length K) is not implemented yet; "
-            "A's gradient is (B.requires_grad_(False) to take it)"
-        )
+    if grouping == "varlen_k":
+        raise NotImplementedError("quack.gemm: gradients of a variable-length-K GEMM are not implemented")
     # Kernels take plain tensors (DLPack refuses ones that require grad).
-    ops = _operands(A.detach(), B.detach(), out_dtype, cu)
+    ops = _operands(A.detach(), B.detach(), out_dtype, cu, grouping)
     plan = _plan(ops, cu, backward=True)
     if is_compile_only():
         # Warm the forward's and the backward's kernels; no graph on fake tensors.
@@ -332,12 +374,19 @@ class _Operands(NamedTuple):
     out: torch.Tensor
 
 
-def _operands(A, B, out_dtype, cu) -> _Operands:
+def _operands(A, B, out_dtype, cu, grouping: str) -> _Operands:
     """The kernel's views of checked operands (any sizes: the backward's
-    products contract over M) and a new output."""
-    a, a_m_major = _a_view(A, cu is not None)
+    products contract over M) and a new output: (M, N), or (G, M, N) for
+    varlen K."""
+    a, a_m_major = _a_view(A, grouping)
     b3, b_n_major = _b_view(B if B.dim() == 3 else B.unsqueeze(0))
-    out = torch.empty(a.shape[0], b3.shape[2] if b_n_major else b3.shape[1], device=A.device, dtype=out_dtype)
+    if a_m_major and not b_n_major:
+        # An M-contiguous A with a K-contiguous B gave wrong products on the
+        # H200 (cutlass-dsl 4.8.1; the other three pairs are right): A is copied.
+        a, a_m_major = _row_major(A), False
+    n = b3.shape[2] if b_n_major else b3.shape[1]
+    shape = (cu.shape[0] - 1, a.shape[0], n) if grouping == "varlen_k" else (a.shape[0], n)
+    out = torch.empty(shape, device=A.device, dtype=out_dtype)
     return _Operands(a if a_m_major else _unit_strides(a), a_m_major, _unit_strides(b3), b_n_major, out)
 
 
@@ -373,7 +422,8 @@ def _product(ops: _Operands, cu, plan: Optional[Plan] = None, key: Optional[byte
 
 class _GemmFunction(torch.autograd.Function):
     """dA = dC @ Bᵀ and dB = Aᵀ @ dC, each one GEMM on views (no transposed
-    copies); the forward saves the A its kernel read and B."""
+    copies); the forward saves the A its kernel read and B (and for grouped
+    rows cu_seqlens_m)."""
 
     @staticmethod
     def forward(ctx, A, B, ops, cu, plan):
@@ -385,10 +435,12 @@ class _GemmFunction(torch.autograd.Function):
         a, b, cu = ctx.saved_tensors
         dc = dc.to(a.dtype)  # an out_dtype other than the inputs'
         da = db = None
+        grouping = "dense" if cu is None else "varlen_m"
         if ctx.needs_input_grad[0]:
-            da = _product(_operands(dc, b.transpose(-1, -2), a.dtype, cu), cu)
+            da = _product(_operands(dc, b.transpose(-1, -2), a.dtype, cu, grouping), cu)
         if ctx.needs_input_grad[1]:
-            db = _product(_operands(a.t(), dc, b.dtype, None), None)
+            # Grouped rows: group g's dB contracts over its rows, a variable-length K.
+            db = _product(_operands(a.t(), dc, b.dtype, cu, "dense" if cu is None else "varlen_k"), cu)
         return da, db, None, None, None
 
 

@@ -16,6 +16,14 @@ alignment.  The last tile of a group is moved up to end at the group's end
 group shorter than one tile has rows past its end, which load the next
 group's rows (or zeros past total_M) and are masked out by a predicated copy.
 
+Variable-length K (``varlen_k``): A is (M, total_K), B (total_K, N) and D
+holds G stacked (M, N) products, group g contracting over ``cu[g]:cu[g+1]``
+(the weight gradient of a grouped GEMM).  Items are numbered group by group
+over the same M x N tiles; each loads its K range through coordinate offsets
+on the TMA tensors.  The last K tile of a group reaches into the next group's
+columns: the consumers zero those columns of the A stage before the WGMMA.
+An empty group's tiles run no K step and store zeros.
+
 Nothing here depends on M, N, K or the number of groups: they are dynamic, so
 one compiled object serves every problem size (see ``quack/gemm.py``).
 """
@@ -33,7 +41,7 @@ import cutlass.utils.hopper_helpers as sm90
 from cutlass import Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warp, warpgroup
 
-from quack.gemm_schedule import find_group, first_cursor, tile_in_group
+from quack.gemm_schedule import find_group, first_cursor, group_rows, tile_in_group
 from quack.gemm_threads import THREADS_PER_WARPGROUP, cta_threads
 
 PRODUCER_REGISTERS = 40
@@ -43,6 +51,7 @@ EPILOGUE_N = 32  # columns per epilogue subtile
 EPILOGUE_BUFFERS = 4
 BARRIER_BYTES = 1024  # mbarriers, with the padding to the operands' 1024-byte alignment
 EPILOGUE_BARRIER_ID = 1
+ZERO_BARRIER_ID = 2
 
 
 class HopperGemm:
@@ -50,14 +59,18 @@ class HopperGemm:
     (``cluster_m``, ``cluster_n``), raster band width, dense or varlen.  CTAs of a
     cluster along M share (multicast) the B tile, along N the A tile.
 
-    Call arguments (all dims dynamic): ``a`` (M, K) K-contiguous; ``b`` (L, K, N)
-    N-contiguous when ``b_n_major`` else (L, N, K) K-contiguous; ``d`` (M, N)
-    N-contiguous; ``cu_seqlens`` (L + 1,) int32 or None (dense, L = 1);
-    ``max_clusters`` the number of clusters that fit on the device at once.
+    Call arguments (all dims dynamic): ``a`` (M, K) K- or M-contiguous; ``b``
+    (L, K, N) N-contiguous when ``b_n_major`` else (L, N, K) K-contiguous;
+    ``d`` (M, N) N-contiguous; ``cu_seqlens`` (L + 1,) int32 or None (dense,
+    L = 1); ``max_clusters`` the number of clusters that fit on the device at
+    once.  With ``varlen_k``: L = 1, ``cu_seqlens`` (G + 1,) splits K, and
+    ``d`` is (G * M, N), the G products stacked.
     """
 
-    def __init__(self, tile_m: int, tile_n: int, cluster_m: int, cluster_n: int, band: int, b_n_major: bool):
+    def __init__(self, tile_m: int, tile_n: int, cluster_m: int, cluster_n: int, band: int, b_n_major: bool,
+                 varlen_k: bool = False):
         self.tile_mnk = (tile_m, tile_n, TILE_K)
+        self.varlen_k = varlen_k
         self.cluster_m = cluster_m
         self.cluster_n = cluster_n
         self.band = band
@@ -114,7 +127,10 @@ class HopperGemm:
         num_groups = b.shape[2]
         # Work items: exact for dense; for varlen every group may end in a partial cluster.
         m_bound = (a.shape[0] + (cluster_rows - 1)) // cluster_rows
-        if const_expr(cu_seqlens is not None):
+        if const_expr(self.varlen_k):
+            num_groups = cu_seqlens.shape[0] - 1
+            m_bound = m_bound * num_groups
+        elif const_expr(cu_seqlens is not None):
             m_bound = (a.shape[0] + num_groups * (cluster_rows - 1)) // cluster_rows
         clusters = cutlass.max(cutlass.min(m_bound * n_clusters, max_clusters), 1)
         self.kernel(
@@ -190,10 +206,9 @@ class HopperGemm:
         sb = storage.sb.get_tensor(sb_layout.outer, swizzle=sb_layout.inner)
         sd = storage.sd.get_tensor(sd_layout.outer, swizzle=sd_layout.inner)
 
-        total_rows = ta.shape[0]
+        total_rows, total_k = ta.shape[0], ta.shape[1]
         cluster_id = cute.arch.block_idx()[2]
         cluster_count = cute.arch.grid_dim()[2]
-        k_tiles = (ta.shape[1] + (TILE_K - 1)) // TILE_K
         pipeline.pipeline_init_wait(cluster_shape_mn=cluster_layout)
 
         warpgroup_idx = cute.arch.make_warp_uniform(tidx // THREADS_PER_WARPGROUP)
@@ -201,56 +216,71 @@ class HopperGemm:
             cute.arch.setmaxregister_decrease(PRODUCER_REGISTERS)
             if warp_idx == 0:
                 self._produce(tma_a, ta, tma_b, tb, sa, sb, mainloop, cta_m, cta_n, cu_seqlens, num_groups,
-                              total_rows, cluster_id, cluster_count, n_clusters, k_tiles)
+                              total_rows, total_k, cluster_id, cluster_count, n_clusters)
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGISTERS)
             self._consume(tiled_mma, tma_d, td, d, sa, sb, sd, mainloop, tidx - THREADS_PER_WARPGROUP, warp_idx,
-                          cta_m, cta_n, cu_seqlens, num_groups, total_rows, cluster_id, cluster_count, n_clusters,
-                          k_tiles)
+                          cta_m, cta_n, cu_seqlens, num_groups, total_rows, total_k, cluster_id, cluster_count,
+                          n_clusters)
 
     @cute.jit
-    def _tile(self, cu_seqlens, num_groups, total_rows, item, cursor, n_clusters, cta_m, cta_n):
+    def _tile(self, cu_seqlens, num_groups, total_rows, total_k, item, cursor, n_clusters, cta_m, cta_n):
         """Advance the cursor (None: start at group 0) to ``item``; returns (cursor,
-        valid, group, first row of the tile in A and D, rows of the tile to store,
-        N tile).
+        valid, group, first row of the tile in A, in D, rows of the tile to store,
+        N tile, first K column, K columns).
 
         The last tile of a group of at least ``tile_m`` rows is moved up to end
         at the group's end: it recomputes rows of the tile before it (both write
         correct values there) and is stored whole by TMA, where a tile hanging
         over the next group would need a predicated store."""
         tile_m = self.tile_mnk[0]
-        if const_expr(cursor is None):
-            cursor = first_cursor(cu_seqlens, num_groups, total_rows, tile_m * self.cluster_m)
-        cursor = find_group(cu_seqlens, num_groups, total_rows, item, cursor, tile_m * self.cluster_m, n_clusters)
-        group, first_item, row_start, rows, m_clusters = cursor
+        if const_expr(self.varlen_k):
+            # Every group has all M rows; only its K range differs.
+            m_clusters = (total_rows + (tile_m * self.cluster_m - 1)) // (tile_m * self.cluster_m)
+            per_group = cutlass.max(m_clusters * n_clusters, 1)
+            group = item // per_group
+            row_start, rows, first_item = group * total_rows, total_rows, group * per_group
+            k_start, k_len = group_rows(cu_seqlens, group, num_groups, total_k)
+            cursor = group
+        else:
+            if const_expr(cursor is None):
+                cursor = first_cursor(cu_seqlens, num_groups, total_rows, tile_m * self.cluster_m)
+            cursor = find_group(cu_seqlens, num_groups, total_rows, item, cursor, tile_m * self.cluster_m,
+                                n_clusters)
+            group, first_item, row_start, rows, m_clusters = cursor
+            k_start, k_len = Int32(0), total_k
         # max(.., 1): an exhausted cursor (group == num_groups) has no M clusters.
         m_cluster, n_cluster = tile_in_group(item - first_item, cutlass.max(m_clusters, 1), n_clusters, self.band)
         tile_row = (m_cluster * self.cluster_m + cta_m) * tile_m
         if rows >= tile_m:
             tile_row = cutlass.min(tile_row, rows - tile_m)
         rows_left = rows - tile_row
-        return cursor, group < num_groups, group, row_start + tile_row, rows_left, n_cluster * self.cluster_n + cta_n
+        a_row = tile_row if const_expr(self.varlen_k) else row_start + tile_row
+        return (cursor, group < num_groups, group, a_row, row_start + tile_row, rows_left,
+                n_cluster * self.cluster_n + cta_n, k_start, k_len)
 
     @cute.jit
     def _produce(self, tma_a, ta, tma_b, tb, sa, sb, mainloop, cta_m, cta_n, cu_seqlens, num_groups, total_rows,
-                 cluster_id, cluster_count, n_clusters, k_tiles):
+                 total_k, cluster_id, cluster_count, n_clusters):
         """Producer warp: TMA loads of A and B tiles, stage by stage."""
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
         cluster = cute.make_layout((self.cluster_m, self.cluster_n, 1))
         a_mask = cute.make_layout_image_mask(cluster, (cta_m, cta_n, 0), mode=1)
         b_mask = cute.make_layout_image_mask(cluster, (cta_m, cta_n, 0), mode=0)
         item = cluster_id
-        cursor, valid, group, tile_start, rows_left, n_tile = self._tile(
-            cu_seqlens, num_groups, total_rows, item, None, n_clusters, cta_m, cta_n
+        cursor, valid, group, a_row, d_row, rows_left, n_tile, k_start, k_len = self._tile(
+            cu_seqlens, num_groups, total_rows, total_k, item, None, n_clusters, cta_m, cta_n
         )
         while valid:
-            ga = cute.local_tile(cute.domain_offset((tile_start, 0), ta), (self.tile_mnk[0], TILE_K), (0, None))
-            gb = cute.local_tile(tb[None, None, group], (self.tile_mnk[1], TILE_K), (n_tile, None))
+            ga = cute.local_tile(cute.domain_offset((a_row, k_start), ta), (self.tile_mnk[0], TILE_K), (0, None))
+            b_group = 0 if const_expr(self.varlen_k) else group
+            gb = cute.local_tile(cute.domain_offset((0, k_start), tb[None, None, b_group]),
+                                 (self.tile_mnk[1], TILE_K), (n_tile, None))
             tas, tag = cpasync.tma_partition(tma_a, cta_n, cute.make_layout(self.cluster_n),
                                              cute.group_modes(sa, 0, 2), cute.group_modes(ga, 0, 2))
             tbs, tbg = cpasync.tma_partition(tma_b, cta_m, cute.make_layout(self.cluster_m),
                                              cute.group_modes(sb, 0, 2), cute.group_modes(gb, 0, 2))
-            for k in cutlass.range(k_tiles, unroll=1):
+            for k in cutlass.range((k_len + (TILE_K - 1)) // TILE_K, unroll=1):
                 mainloop.producer_acquire(state)
                 barrier = mainloop.producer_get_barrier(state)
                 _tma_load(tma_a, tag[None, k], tas[None, state.index], barrier, a_mask, self.cluster_n)
@@ -258,14 +288,14 @@ class HopperGemm:
                 mainloop.producer_commit(state)
                 state.advance()
             item = item + cluster_count
-            cursor, valid, group, tile_start, rows_left, n_tile = self._tile(
-                cu_seqlens, num_groups, total_rows, item, cursor, n_clusters, cta_m, cta_n
+            cursor, valid, group, a_row, d_row, rows_left, n_tile, k_start, k_len = self._tile(
+                cu_seqlens, num_groups, total_rows, total_k, item, cursor, n_clusters, cta_m, cta_n
             )
         mainloop.producer_tail(state)
 
     @cute.jit
     def _consume(self, tiled_mma, tma_d, td, d, sa, sb, sd, mainloop, tidx, warp_idx, cta_m, cta_n, cu_seqlens,
-                 num_groups, total_rows, cluster_id, cluster_count, n_clusters, k_tiles):
+                 num_groups, total_rows, total_k, cluster_id, cluster_count, n_clusters):
         """Consumer warpgroups: WGMMA over the stages, then the epilogue."""
         thr_mma = tiled_mma.get_slice(tidx)
         frag_a = tiled_mma.make_fragment_A(thr_mma.partition_A(sa))
@@ -299,14 +329,18 @@ class HopperGemm:
         release_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         item = cluster_id
         tiles_done = Int32(0)
-        cursor, valid, group, tile_start, rows_left, n_tile = self._tile(
-            cu_seqlens, num_groups, total_rows, item, None, n_clusters, cta_m, cta_n
+        cursor, valid, group, a_row, tile_start, rows_left, n_tile, k_start, k_len = self._tile(
+            cu_seqlens, num_groups, total_rows, total_k, item, None, n_clusters, cta_m, cta_n
         )
         while valid:
             # Mainloop: one WGMMA batch stays in flight; its stage is released one step late.
             acc.fill(0.0)
+            k_tiles = (k_len + (TILE_K - 1)) // TILE_K
             for k in cutlass.range(k_tiles, unroll=1):
                 mainloop.consumer_wait(read_state)
+                if const_expr(self.varlen_k):
+                    if k_len - k * TILE_K < TILE_K:
+                        self._zero_past_group(sa[None, None, read_state.index], k_len - k * TILE_K, tidx)
                 warpgroup.fence()
                 for kb in cutlass.range_constexpr(k_blocks):
                     cute.gemm(tiled_mma, acc, frag_a[None, None, kb, read_state.index],
@@ -318,9 +352,11 @@ class HopperGemm:
                     release_state.advance()
                 read_state.advance()
             warpgroup.wait_group(0)
-            # The last stage (K >= 1: the op returns zeros for K = 0 itself).
-            mainloop.consumer_release(release_state)
-            release_state.advance()
+            # The last stage (none for an empty group of varlen K; the op
+            # returns zeros for K = 0 itself).
+            if k_tiles > 0:
+                mainloop.consumer_release(release_state)
+                release_state.advance()
 
             # Epilogue.
             whole_tile = rows_left >= self.tile_mnk[0]
@@ -348,10 +384,26 @@ class HopperGemm:
                 epi_barrier.arrive_and_wait()
             tiles_done = tiles_done + 1
             item = item + cluster_count
-            cursor, valid, group, tile_start, rows_left, n_tile = self._tile(
-                cu_seqlens, num_groups, total_rows, item, cursor, n_clusters, cta_m, cta_n
+            cursor, valid, group, a_row, tile_start, rows_left, n_tile, k_start, k_len = self._tile(
+                cu_seqlens, num_groups, total_rows, total_k, item, cursor, n_clusters, cta_m, cta_n
             )
         store_pipe.producer_tail()
+
+    @cute.jit
+    def _zero_past_group(self, sa_stage, k_valid, tidx):
+        """Zero the columns of an A stage at and past ``k_valid``: they belong
+        to the next group's K range (varlen K), which the tile's TMA box
+        reached into.  Every consumer thread takes a share, then all of them
+        wait for the writes to reach the WGMMA's (async) proxy."""
+        tile_m = self.tile_mnk[0]
+        zero = self.ab_dtype(0.0)
+        for j in cutlass.range_constexpr(tile_m * TILE_K // self.consumer_threads):
+            i = tidx + j * self.consumer_threads
+            row, col = i % tile_m, i // tile_m
+            if col >= k_valid:
+                sa_stage[row, col] = zero
+        cute.arch.fence_proxy("async.shared", space="cta")
+        pipeline.NamedBarrier(barrier_id=ZERO_BARRIER_ID, num_threads=self.consumer_threads).arrive_and_wait()
 
     @cute.jit
     def _store_rows(self, sd_buffer, d, tile_start, n_tile, sub, rows_left, tidx):

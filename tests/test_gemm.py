@@ -6,6 +6,8 @@ object these tests use without one.  One object per (dtypes, B layout, dense
 or varlen, tile config) serves every size below: the dims are dynamic.
 """
 
+import sys
+
 import pytest
 import torch
 
@@ -117,13 +119,69 @@ def test_matrix(case):
         "a": _operand(m, k, dtype=dtype, layout=case["a_layout"]),
         "b": _operand(*b_shape, dtype=dtype, layout=case["b_layout"]),
     }
-    mode = case["mode"]
-    if cu is not None and mode != matrix.INFERENCE and matrix.requires_grad(mode, "b", PARAMS):
-        # A grouped B's gradient (variable-length K) is not implemented yet: a clear error.
-        with pytest.raises(NotImplementedError, match="variable-length K"):
-            quack.gemm(inputs["a"], inputs["b"].requires_grad_(), cu_seqlens_m=cu)
-        return
-    matrix.check_case(*_gemm_fns(cu, case["out_dtype"]), inputs, PARAMS, mode, matrix.random_cotangents)
+    matrix.check_case(*_gemm_fns(cu, case["out_dtype"]), inputs, PARAMS, case["mode"], matrix.random_cotangents)
+
+
+# Variable-length K (the weight gradient of a grouped GEMM): G products of
+# A[:, cu[g]:cu[g+1]] @ B[cu[g]:cu[g+1]], crossed over the dtypes, both
+# operands' layouts (a column-major A is the transposed activations of a
+# weight gradient), the output dtype, and how K is split: empty groups,
+# groups of 1-5 columns, boundaries off the 64-wide k-tile and the 8-wide
+# vector, one group, none; M (rows of each product) and N as above.
+K_SPLITS = {
+    "empty": [0, 100, 0, 36, 0],
+    "tiny": [1, 2, 3, 5, 61],
+    "uneven": [64, 130, 7, 199, 0, 128],
+    "one": [1096],
+    "none": [],
+}
+TABLE_K = {
+    "dtype": [torch.bfloat16, torch.float16],
+    "a_layout": ["row", "col"],
+    "b_layout": ["row", "col"],
+    "out_dtype": [None, torch.bfloat16, torch.float16],
+    "split": list(K_SPLITS),
+    "m": [1, 200, 1000],
+    "n": [8, 136, 520],
+}
+CASES_K = matrix.cases(TABLE_K, paired=list(TABLE_K))
+
+
+def _varlen_k_fns(cu, out_dtype):
+    """(ours, reference, torch's) of the variable-length-K product, torch's a
+    loop of per-group matmuls in the inputs' dtype."""
+    def ours(a, b):
+        return quack.gemm(a, b, out_dtype=out_dtype, cu_seqlens_k=cu)
+
+    def theirs(a, b):
+        bounds = cu.tolist()
+        out = torch.empty(len(bounds) - 1, a.shape[0], b.shape[1], device=a.device, dtype=out_dtype or a.dtype)
+        out = out.double() if a.dtype == torch.float64 else out
+        for g in range(len(bounds) - 1):
+            out[g] = a[:, bounds[g]:bounds[g + 1]] @ b[bounds[g]:bounds[g + 1]]
+        return out
+
+    return ours, theirs, theirs
+
+
+@pytest.mark.parametrize("case", CASES_K, ids=matrix.case_id)
+def test_varlen_k(case):
+    torch.manual_seed(0)
+    cu, _ = _cu(K_SPLITS[case["split"]])
+    total_k = sum(K_SPLITS[case["split"]])  # not through .item(): K's size rules need the real one
+    m, n, dtype = case["m"], case["n"], case["dtype"]
+    inputs = {
+        "a": _operand(m, total_k, dtype=dtype, layout=case["a_layout"]),
+        "b": _operand(total_k, n, dtype=dtype, layout=case["b_layout"]),
+    }
+    matrix.check_case(*_varlen_k_fns(cu, case["out_dtype"]), inputs, PARAMS, matrix.EVAL, None)
+
+
+def test_varlen_k_refuses_gradients():
+    cu, _ = _cu([8, 16])
+    a, b = _randn(64, 24).requires_grad_(), _randn(24, 128)
+    with pytest.raises(NotImplementedError, match="variable-length-K"):
+        quack.gemm(a, b, cu_seqlens_k=cu)
 
 
 GROUPS = [
@@ -233,7 +291,7 @@ def test_torch_compile_fullgraph_with_autograd():
 def test_backward_runs_the_planned_products(a_layout, b_layout, monkeypatch):
     # The backward's two products are the calls the forward's plan lists, so
     # warming a training call warms what its backward launches.
-    import quack.gemm as gemm_module
+    gemm_module = sys.modules["quack.gemm"]  # quack.gemm is the function
 
     seen = []
     real_plan_for = gemm_module.plan_for

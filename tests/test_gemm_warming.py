@@ -18,7 +18,7 @@ from quack.plan import plan_for
 
 def _configs_in(layer):
     keys = [json.loads(p.read_text())["key"] for p in (layer / "gemm").glob("*.json")]
-    return sorted((k["args"]["varlen"], tuple(k["args"]["config"])) for k in keys)
+    return sorted((k["args"]["grouping"], tuple(k["args"]["config"])) for k in keys)
 
 
 def test_sentinel_sized_varlen_call_exports_every_candidate(cache_env):  # noqa: F811
@@ -32,8 +32,8 @@ def test_sentinel_sized_varlen_call_exports_every_candidate(cache_env):  # noqa:
         quack.gemm(a, b.select(0, 0))
     # Exactly the objects of the two calls' plans: both group classes of the
     # varlen call (its rows per group came from a sentinel), one dense.
-    varlen = plan_for(GemmCall("bfloat16", "bfloat16", False, True, True, 256, False, 0))
-    dense = plan_for(GemmCall("bfloat16", "bfloat16", False, True, False, 256, False, 0))
+    varlen = plan_for(GemmCall("bfloat16", "bfloat16", False, True, "varlen_m", 256, False, 0))
+    dense = plan_for(GemmCall("bfloat16", "bfloat16", False, True, "dense", 256, False, 0))
     expected = sorted((k.args[4], k.args[5]) for p in (varlen, dense) for _, k in p.kernels)
     assert _configs_in(cache_env.writable) == expected
     assert len(expected) == 3
@@ -43,8 +43,8 @@ def test_plans_hold_every_config_the_heuristic_picks():
     # Sweep the heuristic over N and group sizes: whatever it picks at run
     # time is an object of the call's plan, so warming the plan covers it.
     for n in range(8, 4104, 8):
-        for varlen, sizes in ((False, (None,)), (True, (0.5, 1, 100, LARGE_GROUP_ROWS - 1, LARGE_GROUP_ROWS, 1e9))):
-            plan = plan_for(GemmCall("bfloat16", "bfloat16", False, True, varlen, gemm_config(n).tile_n, False, 0))
+        for grouping, sizes in (("dense", (None,)), ("varlen_m", (0.5, 1, 100, LARGE_GROUP_ROWS - 1, LARGE_GROUP_ROWS, 1e9))):
+            plan = plan_for(GemmCall("bfloat16", "bfloat16", False, True, grouping, gemm_config(n).tile_n, False, 0))
             configs = {k.args[5] for _, k in plan.kernels}
             for rows in sizes:
                 assert tuple(gemm_config(n, rows)) in configs, (n, rows)
@@ -60,10 +60,10 @@ def test_training_call_warms_its_backward_products(cache_env):  # noqa: F811
         a = torch.empty(1000, 128, device="cuda", dtype=torch.bfloat16).requires_grad_()
         b = torch.empty(128, 1024, device="cuda", dtype=torch.bfloat16).requires_grad_()
         quack.gemm(a, b)
-    sig = GemmCall("bfloat16", "bfloat16", False, True, False, 256, True, 128)
+    sig = GemmCall("bfloat16", "bfloat16", False, True, "dense", 256, True, 128)
     assert [call for _, call in sig.gradient_calls()] == [
-        GemmCall("bfloat16", "bfloat16", False, False, False, 128, False, 0),
-        GemmCall("bfloat16", "bfloat16", True, True, False, 256, False, 0),
+        GemmCall("bfloat16", "bfloat16", False, False, "dense", 128, False, 0),
+        GemmCall("bfloat16", "bfloat16", True, True, "dense", 256, False, 0),
     ]
     keys = [json.loads(p.read_text())["key"]["args"] for p in (cache_env.writable / "gemm").glob("*.json")]
     exported = sorted((k["a_m_major"], k["b_n_major"], tuple(k["config"])) for k in keys)

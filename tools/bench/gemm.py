@@ -6,7 +6,8 @@ Dense bf16 (M, K) @ (K, N) with bf16 output; the backward's two products on
 the same views autograd hands them (dA = dC @ Bᵀ, B's other layout, and
 dB = Aᵀ @ dC, an M-contiguous A), against cuBLAS on those views; and the
 grouped (variable-length M) products of issue 8: 8 groups of 2048 rows and
-64 uneven groups summing to 32768 rows, K = N = 4096, forward and dA.  The grouped references are ``torch._grouped_mm``
+64 uneven groups summing to 32768 rows, K = N = 4096, forward, dA and dB
+(the variable-length-K product).  The grouped references are ``torch._grouped_mm``
 (where this torch has it) and a loop of ``torch.matmul``.  Inputs are random
 (zeros would flatter every GEMM: the tensor cores draw less power).  Each
 figure is the median of three round-robin passes over the contenders.
@@ -60,6 +61,24 @@ def _grouped_case(lengths, k, n, grad_a: bool = False):
     return 2 * sum(lengths) * k * n, impls
 
 
+def _grouped_db_case(lengths, k, n):
+    """dB[g] = A[rows of g]ᵀ @ dC[rows of g]: the variable-length-K product,
+    A's transposed view as it comes (M-contiguous), dC row-major."""
+    a = torch.randn(sum(lengths), k, device="cuda", dtype=torch.bfloat16)
+    dc = torch.randn(sum(lengths), n, device="cuda", dtype=torch.bfloat16)
+    cu = torch.nn.functional.pad(torch.tensor(lengths, device="cuda").cumsum(0), (1, 0)).to(torch.int32)
+    bounds = cu.tolist()
+    impls = {
+        "quack": lambda: quack.gemm(a.t(), dc, cu_seqlens_k=cu),
+        "torch._grouped_mm": None,
+        "matmul loop": lambda: [a[bounds[g]:bounds[g + 1]].t() @ dc[bounds[g]:bounds[g + 1]]
+                                for g in range(len(lengths))],
+    }
+    if hasattr(torch, "_grouped_mm"):
+        impls["torch._grouped_mm"] = lambda: torch._grouped_mm(a.t(), dc, offs=cu[1:])
+    return 2 * sum(lengths) * k * n, impls
+
+
 def cases():
     out = []
     for m, n, k in DENSE:
@@ -86,6 +105,8 @@ def cases():
         out.append((f"{label} K=N=4096", flops, impls))
         flops, impls = _grouped_case(lengths, 4096, 4096, grad_a=True)
         out.append((f"{label} dA", flops, impls))
+        flops, impls = _grouped_db_case(lengths, 4096, 4096)
+        out.append((f"{label} dB (varlen K)", flops, impls))
     return out
 
 
