@@ -103,13 +103,18 @@ def compile_gemm(ab_dtype: str, d_dtype: str, a_m_major: bool, b_n_major: bool, 
     def stride():
         return cute.sym_int64(divisibility=_ALIGN_ELEMENTS)
 
-    fake = cute.runtime.make_fake_tensor
-    a = fake(ab, (m, k), (1, stride()) if a_m_major else (stride(), 1), assumed_align=16)
-    b = fake(ab, (groups, k, n) if b_n_major else (groups, n, k), (stride(), stride(), 1), assumed_align=16)
-    d = fake(dt, (m, n), (stride(), 1), assumed_align=16)
+    def fake(dtype, shape, rank):
+        # The launcher's convention (quack/cache/launcher.py): dynamic strides
+        # lead, the unit stride is the last one.  An M-contiguous A therefore
+        # goes to the kernel as its (K, M) transpose.
+        return cute.runtime.make_fake_tensor(dtype, shape, (*(stride() for _ in range(rank - 1)), 1), assumed_align=16)
+
+    a = fake(ab, (k, m) if a_m_major else (m, k), 2)
+    b = fake(ab, (groups, k, n) if b_n_major else (groups, n, k), 3)
+    d = fake(dt, (m, n), 2)
     grouped = grouping != "dense"
     cu = cute.runtime.make_fake_compact_tensor(Int32, (cute.sym_int(),), assumed_align=4) if grouped else None
-    kernel = HopperGemm(cfg.tile_m, cfg.tile_n, cfg.cluster_m, cfg.cluster_n, cfg.band, b_n_major,
+    kernel = HopperGemm(cfg.tile_m, cfg.tile_n, cfg.cluster_m, cfg.cluster_n, cfg.band, a_m_major, b_n_major,
                         varlen_k=grouping == "varlen_k")
     return cute.compile(kernel, a, b, d, cu, Int32(1), cute.runtime.make_fake_stream(), options=compile_options())
 
@@ -202,6 +207,7 @@ def _run(plan: Plan, a, b3, out, cu_seqlens) -> None:
         small = a.shape[0] / max(1, b3.shape[0]) < LARGE_GROUP_ROWS
         role = GROUP_CLASSES[0][0] if small else GROUP_CLASSES[1][0]
     kernel = plan.kernel_of(role)
+    a = a.t() if plan.signature.a_m_major else a  # the kernel takes an M-contiguous A as (K, M)
     _launch(kernel.load(), GemmConfig(*kernel.args[-1]), a, b3, out.flatten(0, -2), cu_seqlens)
 
 
@@ -220,11 +226,12 @@ def launch_gemm(a, b3, out, cu_seqlens, b_n_major: bool, cfg: GemmConfig, a_m_ma
     (tools/bench/gemm_configs.py compares them; the op runs its plan's)."""
     kernel = compile_gemm(ti.dtype_name(a.dtype), ti.dtype_name(out.dtype), a_m_major, b_n_major,
                           grouping_of(out, cu_seqlens), tuple(cfg))
-    _launch(kernel, cfg, a, b3, out.flatten(0, -2), cu_seqlens)
+    _launch(kernel, cfg, a.t() if a_m_major else a, b3, out.flatten(0, -2), cu_seqlens)
 
 
 def _launch(kernel, cfg: GemmConfig, a, b3, out, cu_seqlens) -> None:
-    # One CTA per SM (the tiles' shared memory).
+    """Launch on the kernel's views (an M-contiguous A as (K, M)); one CTA per
+    SM (the tiles' shared memory)."""
     max_clusters = occupancy.resident_clusters(
         a.device.index or 0, cta_threads(cfg.tile_m), cfg.cluster_m * cfg.cluster_n, ctas_per_sm=1
     )
@@ -380,10 +387,6 @@ def _operands(A, B, out_dtype, cu, grouping: str) -> _Operands:
     varlen K."""
     a, a_m_major = _a_view(A, grouping)
     b3, b_n_major = _b_view(B if B.dim() == 3 else B.unsqueeze(0))
-    if a_m_major and not b_n_major:
-        # An M-contiguous A with a K-contiguous B gave wrong products on the
-        # H200 (cutlass-dsl 4.8.1; the other three pairs are right): A is copied.
-        a, a_m_major = _row_major(A), False
     n = b3.shape[2] if b_n_major else b3.shape[1]
     shape = (cu.shape[0] - 1, a.shape[0], n) if grouping == "varlen_k" else (a.shape[0], n)
     out = torch.empty(shape, device=A.device, dtype=out_dtype)
@@ -415,7 +418,7 @@ def _product(ops: _Operands, cu, plan: Optional[Plan] = None, key: Optional[byte
         _gemm(ops.a, ops.b3, out, cu, ops.a_m_major, ops.b_n_major)
         return out
     _run(plan, ops.a, ops.b3, out, cu)
-    if key is not None and cu is None:
+    if key is not None and cu is None and not ops.a_m_major:  # the closure passes A as it comes
         _FAST.remember(key, lambda: _dense_closure(plan, ops.b3, out))
     return out
 

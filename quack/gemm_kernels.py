@@ -59,7 +59,9 @@ class HopperGemm:
     (``cluster_m``, ``cluster_n``), raster band width, dense or varlen.  CTAs of a
     cluster along M share (multicast) the B tile, along N the A tile.
 
-    Call arguments (all dims dynamic): ``a`` (M, K) K- or M-contiguous; ``b``
+    Call arguments (all dims dynamic): ``a`` (M, K) K-contiguous, or (K, M)
+    M-contiguous when ``a_m_major`` (every tensor's unit stride is its last,
+    as the launcher's packing wants); ``b``
     (L, K, N) N-contiguous when ``b_n_major`` else (L, N, K) K-contiguous;
     ``d`` (M, N) N-contiguous; ``cu_seqlens`` (L + 1,) int32 or None (dense,
     L = 1); ``max_clusters`` the number of clusters that fit on the device at
@@ -67,9 +69,10 @@ class HopperGemm:
     ``d`` is (G * M, N), the G products stacked.
     """
 
-    def __init__(self, tile_m: int, tile_n: int, cluster_m: int, cluster_n: int, band: int, b_n_major: bool,
-                 varlen_k: bool = False):
+    def __init__(self, tile_m: int, tile_n: int, cluster_m: int, cluster_n: int, band: int, a_m_major: bool,
+                 b_n_major: bool, varlen_k: bool = False):
         self.tile_mnk = (tile_m, tile_n, TILE_K)
+        self.a_m_major = a_m_major
         self.varlen_k = varlen_k
         self.cluster_m = cluster_m
         self.cluster_n = cluster_n
@@ -84,7 +87,9 @@ class HopperGemm:
     @cute.jit
     def __call__(self, a: cute.Tensor, b: cute.Tensor, d: cute.Tensor, cu_seqlens: Optional[cute.Tensor],
                  max_clusters: Int32, stream: cuda.CUstream):
-        # B as (N, K, L), the operand order of the MMA.
+        # A as (M, K) and B as (N, K, L), the operand order of the MMA.
+        if const_expr(self.a_m_major):
+            a = cute.make_tensor(a.iterator, cute.select(a.layout, mode=[1, 0]))
         b = cute.make_tensor(b.iterator, cute.select(b.layout, mode=[2, 1, 0] if self.b_n_major else [1, 2, 0]))
         self.ab_dtype = a.element_type
         self.d_dtype = d.element_type

@@ -20,9 +20,11 @@ executor whose entry point the later calls reuse; an object the DSL
 runtime's C loader loaded (``native.py``) launches through the runtime's
 ``CuteDSLRT_Function_Run`` from its first call.
 
-Convention (checked when the ABI is parsed): a tensor's dynamic dimensions
-are its leading ones, as every quack fake tensor declares them (a symbolic
-batch dimension first, static trailing sizes, unit innermost stride).
+Convention: a tensor's dynamic dimensions are its leading ones, and so are
+its dynamic strides, as every quack fake tensor declares them (a symbolic
+batch dimension first, static trailing sizes, unit innermost stride).  The
+exported header gives only the counts, so the compile functions keep it (a
+transposed operand is declared as its transpose; see ``compile_gemm``).
 """
 
 from __future__ import annotations
