@@ -305,3 +305,15 @@ def test_backward_runs_the_planned_products(a_layout, b_layout, monkeypatch):
     assert backward == [call for _, call in forward.gradient_calls()]
     _close(a.grad, gemm_ref(dc, b.detach().t()))
     _close(b.grad, gemm_ref(a.detach().t(), dc))
+
+
+@pytest.mark.parametrize("b_layout", ["row", "col"])
+def test_m_major_a_every_launch(b_layout):
+    # A transposed view of A on repeated launches: the first launch of an
+    # object may convert its arguments differently from the later ones.
+    torch.manual_seed(0)
+    a = _randn(512, 300).t()  # (300, 512), M contiguous
+    b = _operand(512, 264, dtype=torch.bfloat16, layout=b_layout)
+    ref = gemm_ref(a, b)
+    for _ in range(3):
+        _close(quack.gemm(a, b), ref)
