@@ -20,9 +20,12 @@ Variable-length K (``varlen_k``): A is (M, total_K), B (total_K, N) and D
 holds G stacked (M, N) products, group g contracting over ``cu[g]:cu[g+1]``
 (the weight gradient of a grouped GEMM).  Items are numbered group by group
 over the same M x N tiles; each loads its K range through coordinate offsets
-on the TMA tensors.  The last K tile of a group reaches into the next group's
-columns: the consumers zero those columns of the A stage before the WGMMA.
-An empty group's tiles run no K step and store zeros.
+on the TMA tensors.  A TMA box must start 16-byte aligned along a contiguous
+dimension (an unaligned start is an illegal instruction), so a group's K
+range starts at its first column rounded down to a multiple of 8; its first
+K tile then holds columns of the group before it and its last one columns
+of the group after: the consumers zero those columns of the A stage before
+the WGMMA.  An empty group's tiles run no K step and store zeros.
 
 Nothing here depends on M, N, K or the number of groups: they are dynamic, so
 one compiled object serves every problem size (see ``quack/gemm.py``).
@@ -52,6 +55,7 @@ EPILOGUE_BUFFERS = 4
 BARRIER_BYTES = 1024  # mbarriers, with the padding to the operands' 1024-byte alignment
 EPILOGUE_BARRIER_ID = 1
 ZERO_BARRIER_ID = 2
+K_ALIGN = 8  # varlen K: group K ranges start at multiples of 8 elements (16 bytes; see the module docstring)
 
 
 class HopperGemm:
@@ -232,12 +236,13 @@ class HopperGemm:
     def _tile(self, cu_seqlens, num_groups, total_rows, total_k, item, cursor, n_clusters, cta_m, cta_n):
         """Advance the cursor (None: start at group 0) to ``item``; returns (cursor,
         valid, group, first row of the tile in A, in D, rows of the tile to store,
-        N tile, first K column, K columns).
+        N tile, first K column, K columns, leading K columns outside the group).
 
         The last tile of a group of at least ``tile_m`` rows is moved up to end
-        at the group's end: it recomputes rows of the tile before it (both write
-        correct values there) and is stored whole by TMA, where a tile hanging
-        over the next group would need a predicated store."""
+        at the group's end (for a K-contiguous A): it recomputes rows of the
+        tile before it (both write correct values there) and is stored whole
+        by TMA, where a tile hanging over the next group would need a
+        predicated store."""
         tile_m = self.tile_mnk[0]
         if const_expr(self.varlen_k):
             # Every group has all M rows; only its K range differs.
@@ -246,6 +251,10 @@ class HopperGemm:
             group = item // per_group
             row_start, rows, first_item = group * total_rows, total_rows, group * per_group
             k_start, k_len = group_rows(cu_seqlens, group, num_groups, total_k)
+            k_lead = Int32(0)
+            if k_len > 0:
+                k_lead = k_start % K_ALIGN
+            k_start, k_len = k_start - k_lead, k_len + k_lead
             cursor = group
         else:
             if const_expr(cursor is None):
@@ -253,16 +262,19 @@ class HopperGemm:
             cursor = find_group(cu_seqlens, num_groups, total_rows, item, cursor, tile_m * self.cluster_m,
                                 n_clusters)
             group, first_item, row_start, rows, m_clusters = cursor
-            k_start, k_len = Int32(0), total_k
+            k_start, k_len, k_lead = Int32(0), total_k, Int32(0)
         # max(.., 1): an exhausted cursor (group == num_groups) has no M clusters.
         m_cluster, n_cluster = tile_in_group(item - first_item, cutlass.max(m_clusters, 1), n_clusters, self.band)
         tile_row = (m_cluster * self.cluster_m + cta_m) * tile_m
-        if rows >= tile_m:
-            tile_row = cutlass.min(tile_row, rows - tile_m)
+        if const_expr(not self.a_m_major):
+            # (An M-contiguous A's box must start at a multiple of 8 rows: its
+            # last tile stays in place, stored by the predicated copy.)
+            if rows >= tile_m:
+                tile_row = cutlass.min(tile_row, rows - tile_m)
         rows_left = rows - tile_row
         a_row = tile_row if const_expr(self.varlen_k) else row_start + tile_row
         return (cursor, group < num_groups, group, a_row, row_start + tile_row, rows_left,
-                n_cluster * self.cluster_n + cta_n, k_start, k_len)
+                n_cluster * self.cluster_n + cta_n, k_start, k_len, k_lead)
 
     @cute.jit
     def _produce(self, tma_a, ta, tma_b, tb, sa, sb, mainloop, cta_m, cta_n, cu_seqlens, num_groups, total_rows,
@@ -273,7 +285,7 @@ class HopperGemm:
         a_mask = cute.make_layout_image_mask(cluster, (cta_m, cta_n, 0), mode=1)
         b_mask = cute.make_layout_image_mask(cluster, (cta_m, cta_n, 0), mode=0)
         item = cluster_id
-        cursor, valid, group, a_row, d_row, rows_left, n_tile, k_start, k_len = self._tile(
+        cursor, valid, group, a_row, d_row, rows_left, n_tile, k_start, k_len, _ = self._tile(
             cu_seqlens, num_groups, total_rows, total_k, item, None, n_clusters, cta_m, cta_n
         )
         while valid:
@@ -293,7 +305,7 @@ class HopperGemm:
                 mainloop.producer_commit(state)
                 state.advance()
             item = item + cluster_count
-            cursor, valid, group, a_row, d_row, rows_left, n_tile, k_start, k_len = self._tile(
+            cursor, valid, group, a_row, d_row, rows_left, n_tile, k_start, k_len, _ = self._tile(
                 cu_seqlens, num_groups, total_rows, total_k, item, cursor, n_clusters, cta_m, cta_n
             )
         mainloop.producer_tail(state)
@@ -334,7 +346,7 @@ class HopperGemm:
         release_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         item = cluster_id
         tiles_done = Int32(0)
-        cursor, valid, group, a_row, tile_start, rows_left, n_tile, k_start, k_len = self._tile(
+        cursor, valid, group, a_row, tile_start, rows_left, n_tile, k_start, k_len, k_lead = self._tile(
             cu_seqlens, num_groups, total_rows, total_k, item, None, n_clusters, cta_m, cta_n
         )
         while valid:
@@ -344,8 +356,10 @@ class HopperGemm:
             for k in cutlass.range(k_tiles, unroll=1):
                 mainloop.consumer_wait(read_state)
                 if const_expr(self.varlen_k):
-                    if k_len - k * TILE_K < TILE_K:
-                        self._zero_past_group(sa[None, None, read_state.index], k_len - k * TILE_K, tidx)
+                    # The stage's columns outside the group: [lo, hi) are its own.
+                    lo, hi = k_lead - k * TILE_K, k_len - k * TILE_K
+                    if (lo > 0) | (hi < TILE_K):
+                        self._zero_outside_group(sa[None, None, read_state.index], lo, hi, tidx)
                 warpgroup.fence()
                 for kb in cutlass.range_constexpr(k_blocks):
                     cute.gemm(tiled_mma, acc, frag_a[None, None, kb, read_state.index],
@@ -389,23 +403,24 @@ class HopperGemm:
                 epi_barrier.arrive_and_wait()
             tiles_done = tiles_done + 1
             item = item + cluster_count
-            cursor, valid, group, a_row, tile_start, rows_left, n_tile, k_start, k_len = self._tile(
+            cursor, valid, group, a_row, tile_start, rows_left, n_tile, k_start, k_len, k_lead = self._tile(
                 cu_seqlens, num_groups, total_rows, total_k, item, cursor, n_clusters, cta_m, cta_n
             )
         store_pipe.producer_tail()
 
     @cute.jit
-    def _zero_past_group(self, sa_stage, k_valid, tidx):
-        """Zero the columns of an A stage at and past ``k_valid``: they belong
-        to the next group's K range (varlen K), which the tile's TMA box
-        reached into.  Every consumer thread takes a share, then all of them
-        wait for the writes to reach the WGMMA's (async) proxy."""
+    def _zero_outside_group(self, sa_stage, lo, hi, tidx):
+        """Zero the columns of an A stage before ``lo`` and from ``hi`` on: they
+        belong to the groups before and after this one (varlen K), which the
+        tile's TMA box reached into.  Every consumer thread takes a share,
+        then all of them wait for the writes to reach the WGMMA's (async)
+        proxy."""
         tile_m = self.tile_mnk[0]
         zero = self.ab_dtype(0.0)
         for j in cutlass.range_constexpr(tile_m * TILE_K // self.consumer_threads):
             i = tidx + j * self.consumer_threads
             row, col = i % tile_m, i // tile_m
-            if col >= k_valid:
+            if (col < lo) | (col >= hi):
                 sa_stage[row, col] = zero
         cute.arch.fence_proxy("async.shared", space="cta")
         pipeline.NamedBarrier(barrier_id=ZERO_BARRIER_ID, num_threads=self.consumer_threads).arrive_and_wait()
