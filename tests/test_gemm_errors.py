@@ -54,3 +54,17 @@ def test_alignment():
         quack.gemm(_cuda(96).as_strided((8, 8), (12, 1)), _cuda(8, 8))
     with pytest.raises(ValueError, match=r"below 2\^31"):
         quack.gemm(_cuda(2**31, 8), _cuda(8, 8))
+
+
+def test_variable_length_k():
+    cu = _cuda(3, dtype=torch.int32)
+    with pytest.raises(ValueError, match="not both"):
+        quack.gemm(_cuda(8, 16), _cuda(2, 16, 8), cu_seqlens_m=cu, cu_seqlens_k=cu)
+    with pytest.raises(ValueError, match=r"2-D \(K, N\) with cu_seqlens_k"):
+        quack.gemm(_cuda(8, 16), _cuda(2, 16, 8), cu_seqlens_k=cu)
+    with pytest.raises(TypeError, match="cu_seqlens_k must be int32"):
+        quack.gemm(_cuda(8, 16), _cuda(16, 8), cu_seqlens_k=_cuda(3, dtype=torch.int64))
+    with pytest.raises(ValueError, match=r"cu_seqlens_k must have shape \(G \+ 1,\)"):
+        quack.gemm(_cuda(8, 16), _cuda(16, 8), cu_seqlens_k=_cuda(0, dtype=torch.int32))
+    with pytest.raises(ValueError, match="K = 12 and N = 8"):
+        quack.gemm(_cuda(8, 12), _cuda(12, 8), cu_seqlens_k=cu)
