@@ -53,6 +53,7 @@ from quack.cache import compile_options, jit_cache
 from quack.compile_only import differentiable_outputs, is_compile_only
 from quack.cute_op import cute_op
 from quack.plan import Kernel, Plan, Signature, plan_for, signature
+from quack.gemm_epilogue import TORCH_ACTIVATIONS, activation_grad, check_activation
 from quack.gemm_threads import cta_threads
 
 INPUT_DTYPES = (torch.bfloat16, torch.float16)
@@ -86,11 +87,13 @@ _FAST = fastpath.Closures()
 
 
 @jit_cache("gemm")
-def compile_gemm(ab_dtype: str, d_dtype: str, a_m_major: bool, b_n_major: bool, grouping: str, config: tuple):
+def compile_gemm(ab_dtype: str, d_dtype: str, a_m_major: bool, b_n_major: bool, grouping: str,
+                 activation: Optional[str], bias_dtype: Optional[str], store_preact: bool, config: tuple):
     """Compile one configuration; every dimension is symbolic.  ``a_m_major``:
     A's M dimension is the contiguous one (a transposed view, as Aᵀ is in a
     weight gradient); ``b_n_major``: B's N dimension is; ``grouping``: one of
-    ``GROUPINGS``."""
+    ``GROUPINGS``; the epilogue's activation, bias dtype (None: no bias) and
+    whether it also stores the pre-activation (for a backward)."""
     import cutlass.cute as cute
     from cutlass import Int32
 
@@ -112,11 +115,15 @@ def compile_gemm(ab_dtype: str, d_dtype: str, a_m_major: bool, b_n_major: bool, 
     a = fake(ab, (k, m) if a_m_major else (m, k), 2)
     b = fake(ab, (groups, k, n) if b_n_major else (groups, n, k), 3)
     d = fake(dt, (m, n), 2)
+    preact = fake(dt, (m, n), 2) if store_preact else None
+    compact = cute.runtime.make_fake_compact_tensor
     grouped = grouping != "dense"
-    cu = cute.runtime.make_fake_compact_tensor(Int32, (cute.sym_int(),), assumed_align=4) if grouped else None
+    cu = compact(Int32, (cute.sym_int(),), assumed_align=4) if grouped else None
+    bias = compact(ti.cute_dtype(bias_dtype), (n,), assumed_align=4) if bias_dtype else None
     kernel = HopperGemm(cfg.tile_m, cfg.tile_n, cfg.cluster_m, cfg.cluster_n, cfg.band, a_m_major, b_n_major,
-                        varlen_k=grouping == "varlen_k")
-    return cute.compile(kernel, a, b, d, cu, Int32(1), cute.runtime.make_fake_stream(), options=compile_options())
+                        varlen_k=grouping == "varlen_k", activation=activation)
+    return cute.compile(kernel, a, b, d, cu, bias, preact, Int32(1), cute.runtime.make_fake_stream(),
+                        options=compile_options())
 
 # dense; grouped by rows (cu_seqlens_m); grouped along K (cu_seqlens_k).
 GROUPINGS = ("dense", "varlen_m", "varlen_k")
@@ -131,7 +138,9 @@ class GemmCall(Signature):
     dtypes, A's and B's layouts (M- or N-contiguous, or K-contiguous), the
     grouping (``GROUPINGS``), the tile width ``gemm_config`` picks for N, whether autograd
     will run the call's backward and, if so, the tile width of dA's product
-    (``gemm_config`` of K; 0 without a backward)."""
+    (``gemm_config`` of K; 0 without a backward), and the fused epilogue:
+    activation and bias dtype (None: none).  A training call with an
+    activation also stores the pre-activation."""
 
     OP: ClassVar[str] = "gemm"
     ab_dtype: str
@@ -142,11 +151,15 @@ class GemmCall(Signature):
     tile_n: int
     backward: bool
     grad_a_tile_n: int
+    activation: Optional[str]
+    bias_dtype: Optional[str]
 
     def kernels(self):
         if self.grouping not in GROUPINGS:
             raise ValueError(f"gemm grouping must be one of {GROUPINGS}, got {self.grouping!r}")
-        args = (self.ab_dtype, self.out_dtype, self.a_m_major, self.b_n_major, self.grouping)
+        store_preact = self.backward and self.activation is not None
+        args = (self.ab_dtype, self.out_dtype, self.a_m_major, self.b_n_major, self.grouping, self.activation,
+                self.bias_dtype, store_preact)
         if self.grouping != "varlen_m":
             own = ((self.grouping, Kernel(compile_gemm, (*args, tuple(gemm_config(self.tile_n))))),)
         else:
@@ -172,18 +185,20 @@ class GemmCall(Signature):
         if not self.backward:
             return ()
         ab = self.ab_dtype
-        grad_a = GemmCall(ab, ab, False, not self.b_n_major, self.grouping, self.grad_a_tile_n, False, 0)
+        grad_a = GemmCall(ab, ab, False, not self.b_n_major, self.grouping, self.grad_a_tile_n, False, 0, None, None)
         grad_b_grouping = "varlen_k" if self.grouping == "varlen_m" else "dense"
-        grad_b = GemmCall(ab, ab, not self.a_m_major, True, grad_b_grouping, self.tile_n, False, 0)
+        grad_b = GemmCall(ab, ab, not self.a_m_major, True, grad_b_grouping, self.tile_n, False, 0, None, None)
         return (("grad_a", grad_a), ("grad_b", grad_b))
 
 
-def call_signature(a, b3, out, cu_seqlens, a_m_major: bool, b_n_major: bool, backward: bool = False) -> GemmCall:
+def call_signature(a, b3, out, cu_seqlens, a_m_major: bool, b_n_major: bool, backward: bool = False,
+                   activation: Optional[str] = None, bias: Optional[torch.Tensor] = None) -> GemmCall:
     """The signature of a call on validated operands (a and b3 as ``_a_view``
     and ``_b_view`` give them; out (G, M, N) for varlen K)."""
     return GemmCall(
         ti.dtype_name(a.dtype), ti.dtype_name(out.dtype), a_m_major, b_n_major, grouping_of(out, cu_seqlens),
         gemm_config(out.shape[-1]).tile_n, backward, gemm_config(a.shape[1]).tile_n if backward else 0,
+        activation, ti.dtype_name(bias.dtype) if bias is not None else None,
     )
 
 
@@ -194,7 +209,7 @@ def grouping_of(out: torch.Tensor, cu_seqlens: Optional[torch.Tensor]) -> str:
     return "varlen_k" if out.dim() == 3 else "varlen_m"
 
 
-def _run(plan: Plan, a, b3, out, cu_seqlens) -> None:
+def _run(plan: Plan, a, b3, out, cu_seqlens, bias=None, preact=None) -> None:
     """Check TMA's alignment rules on the tensors the kernel gets, then warm
     (compile-only) or launch the plan's object for this size."""
     _check_tma("A", a, 0 if plan.signature.a_m_major else -1)
@@ -208,34 +223,37 @@ def _run(plan: Plan, a, b3, out, cu_seqlens) -> None:
         role = GROUP_CLASSES[0][0] if small else GROUP_CLASSES[1][0]
     kernel = plan.kernel_of(role)
     a = a.t() if plan.signature.a_m_major else a  # the kernel takes an M-contiguous A as (K, M)
-    _launch(kernel.load(), GemmConfig(*kernel.args[-1]), a, b3, out.flatten(0, -2), cu_seqlens)
+    _launch(kernel.load(), GemmConfig(*kernel.args[-1]), a, b3, out.flatten(0, -2), cu_seqlens, bias, preact)
 
 
-@cute_op("quack::gemm", mutates_args=("out",))
+@cute_op("quack::gemm", mutates_args=("out", "preact"))
 def _gemm(a: torch.Tensor, b3: torch.Tensor, out: torch.Tensor, cu_seqlens: Optional[torch.Tensor],
-          a_m_major: bool, b_n_major: bool) -> None:
+          bias: Optional[torch.Tensor], preact: Optional[torch.Tensor], a_m_major: bool, b_n_major: bool,
+          activation: Optional[str]) -> None:
     """The registered op, which torch.compile's graphs call: a is (M, K),
     M-contiguous if ``a_m_major``; b3 is (L, K, N) if ``b_n_major`` else
-    (L, N, K); out is (M, N), or (G, M, N) for varlen K; the plan comes from
-    the real tensors."""
-    _run(plan_for(call_signature(a, b3, out, cu_seqlens, a_m_major, b_n_major)), a, b3, out, cu_seqlens)
+    (L, N, K); out is (M, N), or (G, M, N) for varlen K; ``preact`` given for
+    a training call with an activation; the plan comes from the real
+    tensors."""
+    sig = call_signature(a, b3, out, cu_seqlens, a_m_major, b_n_major, preact is not None, activation, bias)
+    _run(plan_for(sig), a, b3, out, cu_seqlens, bias, preact)
 
 
 def launch_gemm(a, b3, out, cu_seqlens, b_n_major: bool, cfg: GemmConfig, a_m_major: bool = False) -> None:
     """Run a configuration of the caller's choice on validated operands
     (tools/bench/gemm_configs.py compares them; the op runs its plan's)."""
     kernel = compile_gemm(ti.dtype_name(a.dtype), ti.dtype_name(out.dtype), a_m_major, b_n_major,
-                          grouping_of(out, cu_seqlens), tuple(cfg))
+                          grouping_of(out, cu_seqlens), None, None, False, tuple(cfg))
     _launch(kernel, cfg, a.t() if a_m_major else a, b3, out.flatten(0, -2), cu_seqlens)
 
 
-def _launch(kernel, cfg: GemmConfig, a, b3, out, cu_seqlens) -> None:
+def _launch(kernel, cfg: GemmConfig, a, b3, out, cu_seqlens, bias=None, preact=None) -> None:
     """Launch on the kernel's views (an M-contiguous A as (K, M)); one CTA per
     SM (the tiles' shared memory)."""
     max_clusters = occupancy.resident_clusters(
         a.device.index or 0, cta_threads(cfg.tile_m), cfg.cluster_m * cfg.cluster_n, ctas_per_sm=1
     )
-    kernel(a, b3, out, cu_seqlens, max_clusters, ti.current_stream(a.device))
+    kernel(a, b3, out, cu_seqlens, bias, preact, max_clusters, ti.current_stream(a.device))
 
 
 def _check_operand(name: str, t: torch.Tensor, like: Optional[torch.Tensor]) -> None:
@@ -328,7 +346,8 @@ def _check_dims(a, b, cu_seqlens_m, cu_seqlens_k) -> None:
 
 
 def gemm(A: torch.Tensor, B: torch.Tensor, out_dtype: Optional[torch.dtype] = None,
-         cu_seqlens_m: Optional[torch.Tensor] = None, cu_seqlens_k: Optional[torch.Tensor] = None) -> torch.Tensor:
+         cu_seqlens_m: Optional[torch.Tensor] = None, cu_seqlens_k: Optional[torch.Tensor] = None,
+         bias: Optional[torch.Tensor] = None, activation: Optional[str] = None) -> torch.Tensor:
     """A @ B (dense) or one of the grouped products in the module docstring.
 
     Raises TypeError for wrong dtypes and ValueError for wrong devices, shapes,
@@ -336,11 +355,14 @@ def gemm(A: torch.Tensor, B: torch.Tensor, out_dtype: Optional[torch.dtype] = No
     with cu_seqlens_m) column-major, a transposed view; B row- or
     column-major (per group); other layouts are copied.  Differentiable,
     dense and with cu_seqlens_m (not with cu_seqlens_k: NotImplementedError).
+    ``bias`` (N,) in A's dtype or fp32 and ``activation`` (``gemm_epilogue.ACTIVATIONS``)
+    are fused into the epilogue: act(A @ B + bias), not with cu_seqlens_k.
     Grouped rows: output rows outside [cu[0], cu[G]) are left unwritten (and
     so is their gradient); a malformed cu_seqlens gives wrong values, never
     an access outside A, B or D.
     """
-    key = fastpath.describe(A, B, cu_seqlens_m, cu_seqlens_k, _OUT_DTYPE_CODES.get(out_dtype, -1))
+    plain = bias is None and activation is None
+    key = fastpath.describe(A, B, cu_seqlens_m, cu_seqlens_k, _OUT_DTYPE_CODES.get(out_dtype, -1)) if plain else None
     out = _FAST.call(key, A, B, out_dtype)
     if out is not NotImplemented:
         return out
@@ -351,46 +373,69 @@ def gemm(A: torch.Tensor, B: torch.Tensor, out_dtype: Optional[torch.dtype] = No
     if out_dtype not in INPUT_DTYPES:
         raise TypeError(f"out_dtype must be torch.bfloat16 or torch.float16, got {out_dtype}")
     _check_dims(A, B, cu_seqlens_m, cu_seqlens_k)
+    _check_epilogue(bias, activation, A, B, cu_seqlens_k)
     grouping = "varlen_m" if cu_seqlens_m is not None else "varlen_k" if cu_seqlens_k is not None else "dense"
     cu = cu_seqlens_m if cu_seqlens_m is not None else cu_seqlens_k
     cu = cu.contiguous() if cu is not None else None
-    if not ti.will_backward(A, B):
-        ops = _operands(A, B, out_dtype, cu, grouping)
+    if not ti.will_backward(A, B, bias):
+        ops = _operands(A, B, out_dtype, cu, grouping, bias, activation)
         if key is not None and not (ops.a is A and ops.b3.data_ptr() == B.data_ptr()):
             key = None  # a copy: the fast path would launch A and B themselves
         return _product(ops, cu, key=key)
     if grouping == "varlen_k":
         raise NotImplementedError("quack.gemm: gradients of a variable-length-K GEMM are not implemented")
     # Kernels take plain tensors (DLPack refuses ones that require grad).
-    ops = _operands(A.detach(), B.detach(), out_dtype, cu, grouping)
+    detached = bias.detach() if bias is not None else None
+    ops = _operands(A.detach(), B.detach(), out_dtype, cu, grouping, detached, activation, backward=True)
     plan = _plan(ops, cu, backward=True)
     if is_compile_only():
         # Warm the forward's and the backward's kernels; no graph on fake tensors.
         return differentiable_outputs(_product(ops, cu, plan), True)
-    return _GemmFunction.apply(A, B, ops, cu, plan)
+    return _GemmFunction.apply(A, B, bias, ops, cu, plan)
+
+
+def _check_epilogue(bias, activation, A, B, cu_seqlens_k) -> None:
+    check_activation(activation)
+    if (bias is not None or activation is not None) and cu_seqlens_k is not None:
+        raise ValueError("bias and activation are not fused into a variable-length-K GEMM")
+    if bias is None:
+        return
+    ti.check_float("bias", bias, (A.dtype, torch.float32))
+    ti.check_cuda("bias", bias, A)
+    n = B.shape[-1]
+    if bias.dim() != 1 or bias.shape[0] != n or (n > 1 and bias.stride(0) != 1):
+        raise ValueError(f"bias must be a contiguous vector of N = {n}, got shape {tuple(bias.shape)}")
+    if ti.address(bias) % 4:
+        raise ValueError("bias must start at a 4-byte aligned address")
 
 
 class _Operands(NamedTuple):
-    """A call's tensors as the kernel takes them (``_a_view``, ``_b_view``)
-    and its output."""
+    """A call's tensors as the kernel takes them (``_a_view``, ``_b_view``),
+    its epilogue and its outputs (``preact``: the pre-activation a backward
+    differentiates, stored for a training call with an activation)."""
 
     a: torch.Tensor
     a_m_major: bool
     b3: torch.Tensor
     b_n_major: bool
     out: torch.Tensor
+    bias: Optional[torch.Tensor] = None
+    activation: Optional[str] = None
+    preact: Optional[torch.Tensor] = None
 
 
-def _operands(A, B, out_dtype, cu, grouping: str) -> _Operands:
+def _operands(A, B, out_dtype, cu, grouping: str, bias=None, activation=None, backward: bool = False) -> _Operands:
     """The kernel's views of checked operands (any sizes: the backward's
-    products contract over M) and a new output: (M, N), or (G, M, N) for
+    products contract over M) and new outputs: (M, N), or (G, M, N) for
     varlen K."""
     a, a_m_major = _a_view(A, grouping)
     b3, b_n_major = _b_view(B if B.dim() == 3 else B.unsqueeze(0))
     n = b3.shape[2] if b_n_major else b3.shape[1]
     shape = (cu.shape[0] - 1, a.shape[0], n) if grouping == "varlen_k" else (a.shape[0], n)
     out = torch.empty(shape, device=A.device, dtype=out_dtype)
-    return _Operands(a if a_m_major else _unit_strides(a), a_m_major, _unit_strides(b3), b_n_major, out)
+    preact = torch.empty_like(out) if backward and activation is not None else None
+    return _Operands(a if a_m_major else _unit_strides(a), a_m_major, _unit_strides(b3), b_n_major, out, bias,
+                     activation, preact)
 
 
 def _plan(ops: _Operands, cu, backward: bool = False) -> Optional[Plan]:
@@ -400,7 +445,8 @@ def _plan(ops: _Operands, cu, backward: bool = False) -> Optional[Plan]:
     tensors when the graph runs)."""
     if torch.compiler.is_compiling():
         return None
-    return plan_for(call_signature(ops.a, ops.b3, ops.out, cu, ops.a_m_major, ops.b_n_major, backward))
+    return plan_for(call_signature(ops.a, ops.b3, ops.out, cu, ops.a_m_major, ops.b_n_major, backward,
+                                   ops.activation, ops.bias))
 
 
 def _product(ops: _Operands, cu, plan: Optional[Plan] = None, key: Optional[bytes] = None) -> torch.Tensor:
@@ -413,14 +459,26 @@ def _product(ops: _Operands, cu, plan: Optional[Plan] = None, key: Optional[byte
     if out.numel() == 0 or ops.a.shape[1] == 0:
         if plan is not None and is_compile_only():
             plan.warm()
-        return out.zero_()
+        return _empty_product(ops)
     if plan is None:
-        _gemm(ops.a, ops.b3, out, cu, ops.a_m_major, ops.b_n_major)
+        _gemm(ops.a, ops.b3, out, cu, ops.bias, ops.preact, ops.a_m_major, ops.b_n_major, ops.activation)
         return out
-    _run(plan, ops.a, ops.b3, out, cu)
+    _run(plan, ops.a, ops.b3, out, cu, ops.bias, ops.preact)
     if key is not None and cu is None and not ops.a_m_major:  # the closure passes A as it comes
         _FAST.remember(key, lambda: _dense_closure(plan, ops.b3, out))
     return out
+
+
+def _empty_product(ops: _Operands) -> torch.Tensor:
+    """An empty product: K = 0 gives act(bias) (zeros without a bias)."""
+    z = ops.out.zero_()
+    if z.numel() and ops.bias is not None:
+        z.add_(ops.bias)
+    if ops.preact is not None:
+        ops.preact.copy_(z)
+    if z.numel() and ops.activation is not None:
+        z.copy_(TORCH_ACTIVATIONS[ops.activation](z.float()))
+    return z
 
 
 class _GemmFunction(torch.autograd.Function):
@@ -429,22 +487,29 @@ class _GemmFunction(torch.autograd.Function):
     rows cu_seqlens_m)."""
 
     @staticmethod
-    def forward(ctx, A, B, ops, cu, plan):
-        ctx.save_for_backward(ops.a, B.detach(), cu)
-        return _product(ops, cu, plan)
+    def forward(ctx, A, B, bias, ops, cu, plan):
+        out = _product(ops, cu, plan)
+        ctx.save_for_backward(ops.a, B.detach(), cu, ops.preact)
+        ctx.activation, ctx.bias_dtype = ops.activation, bias.dtype if bias is not None else None
+        return out
 
     @staticmethod
     def backward(ctx, dc):
-        a, b, cu = ctx.saved_tensors
+        a, b, cu, preact = ctx.saved_tensors
+        if ctx.activation is not None:
+            # One elementwise pass over the saved pre-activation (not fused).
+            dc = activation_grad(preact, dc, ctx.activation)
         dc = dc.to(a.dtype)  # an out_dtype other than the inputs'
-        da = db = None
+        da = db = dbias = None
+        if ctx.needs_input_grad[2]:
+            dbias = dc.float().sum(0).to(ctx.bias_dtype)
         grouping = "dense" if cu is None else "varlen_m"
         if ctx.needs_input_grad[0]:
             da = _product(_operands(dc, b.transpose(-1, -2), a.dtype, cu, grouping), cu)
         if ctx.needs_input_grad[1]:
             # Grouped rows: group g's dB contracts over its rows, a variable-length K.
             db = _product(_operands(a.t(), dc, b.dtype, cu, "dense" if cu is None else "varlen_k"), cu)
-        return da, db, None, None, None
+        return da, db, dbias, None, None, None
 
 
 # The fast path's key spells out_dtype as a number (-1: one the checks refuse).
@@ -470,7 +535,7 @@ def _dense_closure(plan: Plan, b3: torch.Tensor, out: torch.Tensor):
     def run(A, B, _out_dtype):  # the key fixed out_dtype
         out = empty(out_shape, device=device, dtype=out_dtype)
         b = B.as_strided(b_shape, b_strides)
-        return out if launch(A, b, out, None, max_clusters, None) is None else NotImplemented
+        return out if launch(A, b, out, None, None, None, max_clusters, None) is None else NotImplemented
 
     return run
 

@@ -27,6 +27,11 @@ K tile then holds columns of the group before it and its last one columns
 of the group after: the consumers zero those columns of the A stage before
 the WGMMA.  An empty group's tiles run no K step and store zeros.
 
+Fused epilogue (``activation``, ``has_bias``): D = act(A @ B + bias), bias a
+vector of N added in fp32, the activation applied in fp32 before the one
+rounding; with a ``preact`` tensor the pre-activation A @ B + bias is stored
+too (what a backward needs), through the same shared-memory buffers.
+
 Nothing here depends on M, N, K or the number of groups: they are dynamic, so
 one compiled object serves every problem size (see ``quack/gemm.py``).
 """
@@ -44,6 +49,7 @@ import cutlass.utils.hopper_helpers as sm90
 from cutlass import Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warp, warpgroup
 
+from quack.gemm_epilogue import ACTIVATIONS
 from quack.gemm_schedule import find_group, first_cursor, group_rows, tile_in_group
 from quack.gemm_threads import THREADS_PER_WARPGROUP, cta_threads
 
@@ -70,11 +76,15 @@ class HopperGemm:
     ``d`` (M, N) N-contiguous; ``cu_seqlens`` (L + 1,) int32 or None (dense,
     L = 1); ``max_clusters`` the number of clusters that fit on the device at
     once.  With ``varlen_k``: L = 1, ``cu_seqlens`` (G + 1,) splits K, and
-    ``d`` is (G * M, N), the G products stacked.
+    ``d`` is (G * M, N), the G products stacked.  ``bias`` (N,) or None;
+    ``preact`` like ``d`` or None (``ACTIVATIONS`` names the activations).
     """
 
     def __init__(self, tile_m: int, tile_n: int, cluster_m: int, cluster_n: int, band: int, a_m_major: bool,
-                 b_n_major: bool, varlen_k: bool = False):
+                 b_n_major: bool, varlen_k: bool = False, activation: Optional[str] = None):
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+        self.activation = activation
         self.tile_mnk = (tile_m, tile_n, TILE_K)
         self.a_m_major = a_m_major
         self.varlen_k = varlen_k
@@ -90,7 +100,8 @@ class HopperGemm:
     # ---------------------------------------------------------------- host side
     @cute.jit
     def __call__(self, a: cute.Tensor, b: cute.Tensor, d: cute.Tensor, cu_seqlens: Optional[cute.Tensor],
-                 max_clusters: Int32, stream: cuda.CUstream):
+                 bias: Optional[cute.Tensor], preact: Optional[cute.Tensor], max_clusters: Int32,
+                 stream: cuda.CUstream):
         # A as (M, K) and B as (N, K, L), the operand order of the MMA.
         if const_expr(self.a_m_major):
             a = cute.make_tensor(a.iterator, cute.select(a.layout, mode=[1, 0]))
@@ -120,6 +131,11 @@ class HopperGemm:
         tma_d, td = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileS2GOp(), d, cute.slice_(sd_layout, (None, None, 0)), self.epi_tile
         )
+        tma_p, tp = None, None
+        if const_expr(preact is not None):
+            tma_p, tp = cpasync.make_tiled_tma_atom(
+                cpasync.CopyBulkTensorTileS2GOp(), preact, cute.slice_(sd_layout, (None, None, 0)), self.epi_tile
+            )
 
         @cute.struct
         class SharedStorage:
@@ -143,8 +159,8 @@ class HopperGemm:
             m_bound = (a.shape[0] + num_groups * (cluster_rows - 1)) // cluster_rows
         clusters = cutlass.max(cutlass.min(m_bound * n_clusters, max_clusters), 1)
         self.kernel(
-            tma_a, ta, tma_b, tb, tma_d, td, d, cu_seqlens, tiled_mma, sa_layout, sb_layout, sd_layout,
-            n_clusters, num_groups,
+            tma_a, ta, tma_b, tb, tma_d, td, d, cu_seqlens, bias, tma_p, tp, preact, tiled_mma, sa_layout,
+            sb_layout, sd_layout, n_clusters, num_groups,
         ).launch(
             grid=(self.cluster_m, self.cluster_n, clusters),
             block=(self.threads, 1, 1),
@@ -178,8 +194,8 @@ class HopperGemm:
     # -------------------------------------------------------------- device side
     @cute.kernel
     def kernel(self, tma_a: cute.CopyAtom, ta: cute.Tensor, tma_b: cute.CopyAtom, tb: cute.Tensor,
-               tma_d: cute.CopyAtom, td: cute.Tensor, d: cute.Tensor, cu_seqlens, tiled_mma: cute.TiledMma,
-               sa_layout: cute.ComposedLayout,
+               tma_d: cute.CopyAtom, td: cute.Tensor, d: cute.Tensor, cu_seqlens, bias, tma_p, tp, preact,
+               tiled_mma: cute.TiledMma, sa_layout: cute.ComposedLayout,
                sb_layout: cute.ComposedLayout, sd_layout: cute.ComposedLayout, n_clusters: Int32,
                num_groups: Int32):
         tidx, _, _ = cute.arch.thread_idx()
@@ -228,9 +244,9 @@ class HopperGemm:
                               total_rows, total_k, cluster_id, cluster_count, n_clusters)
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGISTERS)
-            self._consume(tiled_mma, tma_d, td, d, sa, sb, sd, mainloop, tidx - THREADS_PER_WARPGROUP, warp_idx,
-                          cta_m, cta_n, cu_seqlens, num_groups, total_rows, total_k, cluster_id, cluster_count,
-                          n_clusters)
+            self._consume(tiled_mma, tma_d, td, d, bias, tma_p, tp, preact, sa, sb, sd, mainloop,
+                          tidx - THREADS_PER_WARPGROUP, warp_idx, cta_m, cta_n, cu_seqlens, num_groups, total_rows,
+                          total_k, cluster_id, cluster_count, n_clusters)
 
     @cute.jit
     def _tile(self, cu_seqlens, num_groups, total_rows, total_k, item, cursor, n_clusters, cta_m, cta_n):
@@ -311,8 +327,8 @@ class HopperGemm:
         mainloop.producer_tail(state)
 
     @cute.jit
-    def _consume(self, tiled_mma, tma_d, td, d, sa, sb, sd, mainloop, tidx, warp_idx, cta_m, cta_n, cu_seqlens,
-                 num_groups, total_rows, total_k, cluster_id, cluster_count, n_clusters):
+    def _consume(self, tiled_mma, tma_d, td, d, bias, tma_p, tp, preact, sa, sb, sd, mainloop, tidx, warp_idx,
+                 cta_m, cta_n, cu_seqlens, num_groups, total_rows, total_k, cluster_id, cluster_count, n_clusters):
         """Consumer warpgroups: WGMMA over the stages, then the epilogue."""
         thr_mma = tiled_mma.get_slice(tidx)
         frag_a = tiled_mma.make_fragment_A(thr_mma.partition_A(sa))
@@ -334,6 +350,7 @@ class HopperGemm:
         sub_shape = cute.shape(thr_r2s.partition_S(sd))[:3]
         sub_acc = cute.make_rmem_tensor(sub_shape, cutlass.Float32)
         sub_out = cute.make_rmem_tensor(sub_shape, self.d_dtype)
+        sub_coords = thr_r2s.partition_D(cute.make_identity_tensor(self.epi_tile))  # (row, col) of each value
         store_pipe = pipeline.PipelineTmaStore.create(
             num_stages=EPILOGUE_BUFFERS,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.consumer_threads),
@@ -345,7 +362,7 @@ class HopperGemm:
         read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         release_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         item = cluster_id
-        tiles_done = Int32(0)
+        stores = Int32(0)  # subtiles stored so far: the next shared buffer
         cursor, valid, group, a_row, tile_start, rows_left, n_tile, k_start, k_len, k_lead = self._tile(
             cu_seqlens, num_groups, total_rows, total_k, item, None, n_clusters, cta_m, cta_n
         )
@@ -377,36 +394,68 @@ class HopperGemm:
                 mainloop.consumer_release(release_state)
                 release_state.advance()
 
-            # Epilogue.
+            # Epilogue: per 32-column subtile, bias and activation in fp32, then
+            # registers -> shared (stmatrix) -> global (TMA, or a predicated copy).
             whole_tile = rows_left >= self.tile_mnk[0]
-            gd_tma = cute.local_tile(cute.domain_offset((tile_start, 0), td), self.tile_mnk[:2], (0, n_tile))
-            sub_gd_tma = cute.zipped_divide(gd_tma, self.epi_tile)
-            bsd, bgd = cpasync.tma_partition(tma_d, 0, cute.make_layout(1), cute.group_modes(sd, 0, 2), sub_gd_tma)
+            bsd, bgd = self._tma_subtiles(tma_d, td, sd, tile_start, n_tile)
+            bsp, bgp = None, None
+            if const_expr(preact is not None):
+                bsp, bgp = self._tma_subtiles(tma_p, tp, sd, tile_start, n_tile)
             for sub in cutlass.range_constexpr(subtiles):
                 for v in cutlass.range_constexpr(cute.size(sub_acc)):
                     sub_acc[v] = r2s_acc[sub * cute.size(sub_acc) + v]
+                if const_expr(bias is not None):
+                    col0 = n_tile * self.tile_mnk[1] + sub * EPILOGUE_N
+                    for v in cutlass.range_constexpr(cute.size(sub_acc)):
+                        col = col0 + sub_coords[v][1]
+                        if col < d.shape[1]:
+                            sub_acc[v] = sub_acc[v] + bias[col].to(cutlass.Float32)
+                if const_expr(preact is not None):
+                    sub_out.store(sub_acc.load().to(self.d_dtype))
+                    self._store_subtile(r2s, sub_out, r2s_sd, sd, stores % EPILOGUE_BUFFERS, tma_p, bsp, bgp, preact,
+                                        sub, whole_tile, rows_left, tile_start, n_tile, tidx, store_warp, store_pipe,
+                                        epi_barrier)
+                    stores = stores + 1
+                if const_expr(self.activation is not None):
+                    for v in cutlass.range_constexpr(cute.size(sub_acc)):
+                        sub_acc[v] = _activate(sub_acc[v], self.activation)
                 sub_out.store(sub_acc.load().to(self.d_dtype))
-                buffer = (tiles_done * subtiles + sub) % EPILOGUE_BUFFERS
-                cute.copy(r2s, sub_out, r2s_sd[None, None, None, buffer])
-                cute.arch.fence_proxy("async.shared", space="cta")
-                epi_barrier.arrive_and_wait()
-                if whole_tile:
-                    if store_warp:
-                        cute.copy(tma_d, bsd[None, buffer], bgd[None, (0, sub)])
-                elif rows_left > 0:
-                    self._store_rows(sd[None, None, buffer], d, tile_start, n_tile, sub, rows_left, tidx)
-                if store_warp:
-                    # Every subtile, stored by TMA or not: the wait keeps a buffer
-                    # from being refilled while an earlier TMA store still reads it.
-                    store_pipe.producer_commit()
-                    store_pipe.producer_acquire()
-                epi_barrier.arrive_and_wait()
-            tiles_done = tiles_done + 1
+                self._store_subtile(r2s, sub_out, r2s_sd, sd, stores % EPILOGUE_BUFFERS, tma_d, bsd, bgd, d, sub,
+                                    whole_tile, rows_left, tile_start, n_tile, tidx, store_warp, store_pipe,
+                                    epi_barrier)
+                stores = stores + 1
             item = item + cluster_count
             cursor, valid, group, a_row, tile_start, rows_left, n_tile, k_start, k_len, k_lead = self._tile(
                 cu_seqlens, num_groups, total_rows, total_k, item, cursor, n_clusters, cta_m, cta_n
             )
         store_pipe.producer_tail()
+
+    def _tma_subtiles(self, tma, t, sd, tile_start, n_tile):
+        """The TMA store partitions (shared buffers, global subtiles) of the
+        output tile at ``tile_start`` rows, N tile ``n_tile``."""
+        g = cute.local_tile(cute.domain_offset((tile_start, 0), t), self.tile_mnk[:2], (0, n_tile))
+        return cpasync.tma_partition(tma, 0, cute.make_layout(1), cute.group_modes(sd, 0, 2),
+                                     cute.zipped_divide(g, self.epi_tile))
+
+    @cute.jit
+    def _store_subtile(self, r2s, values, r2s_sd, sd, buffer, tma, bs, bg, g, sub, whole_tile, rows_left, tile_start,
+                       n_tile, tidx, store_warp, store_pipe, epi_barrier):
+        """One 32-column subtile of registers to ``g``: through shared
+        ``buffer``, stored whole by TMA or row by row (a partial tile)."""
+        cute.copy(r2s, values, r2s_sd[None, None, None, buffer])
+        cute.arch.fence_proxy("async.shared", space="cta")
+        epi_barrier.arrive_and_wait()
+        if whole_tile:
+            if store_warp:
+                cute.copy(tma, bs[None, buffer], bg[None, (0, sub)])
+        elif rows_left > 0:
+            self._store_rows(sd[None, None, buffer], g, tile_start, n_tile, sub, rows_left, tidx)
+        if store_warp:
+            # Every subtile, stored by TMA or not: the wait keeps a buffer
+            # from being refilled while an earlier TMA store still reads it.
+            store_pipe.producer_commit()
+            store_pipe.producer_acquire()
+        epi_barrier.arrive_and_wait()
 
     @cute.jit
     def _zero_outside_group(self, sa_stage, lo, hi, tidx):
@@ -452,6 +501,22 @@ class HopperGemm:
                 row, col = crd[0, i, j]
                 if (row < rows_left) & (col < cols_left):
                     cute.copy(copy, src[None, i, j], dst[None, i, j])
+
+
+_GELU_TANH_SCALE = 0.7978845608028654  # sqrt(2 / pi)
+
+
+def _activate(x, name: str):
+    """The activation ``name`` of one fp32 value (torch's definitions;
+    gelu_tanh is GELU's tanh approximation)."""
+    if const_expr(name == "relu"):
+        return cutlass.max(x, cutlass.Float32(0.0))
+    if const_expr(name == "relu_sq"):
+        r = cutlass.max(x, cutlass.Float32(0.0))
+        return r * r
+    if const_expr(name == "gelu_tanh"):
+        return 0.5 * x * (1.0 + cute.math.tanh(_GELU_TANH_SCALE * (x + 0.044715 * x * x * x)))
+    return x / (1.0 + cute.math.exp(-x))  # silu
 
 
 def _tma_load(atom, src, dst, barrier, mask, multicast: int):

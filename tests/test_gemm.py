@@ -13,6 +13,7 @@ import torch
 
 import quack
 from quack.gemm import gemm_ref
+from quack.gemm_epilogue import ACTIVATIONS, TORCH_ACTIVATIONS
 from quack.testing import matrix
 
 pytestmark = pytest.mark.gpu
@@ -120,6 +121,57 @@ def test_matrix(case):
         "b": _operand(*b_shape, dtype=dtype, layout=case["b_layout"]),
     }
     matrix.check_case(*_gemm_fns(cu, case["out_dtype"]), inputs, PARAMS, case["mode"], matrix.random_cotangents)
+
+
+# The fused epilogue, act(A @ B + bias): every activation, a bias in A's dtype
+# or fp32 or none, dense and grouped rows, and which gradients autograd takes
+# (B and the bias are parameters).
+TABLE_EPILOGUE = {
+    "dtype": [torch.bfloat16, torch.float16],
+    "activation": list(ACTIVATIONS),
+    "bias": [None, "same", "fp32"],
+    "grouping": ["dense", "varlen_tiny"],
+    "mode": list(matrix.MODES),
+    "m": [1, 200, 1000],
+    "k": [8, 1096],
+    "n": [8, 136, 520],
+}
+CASES_EPILOGUE = matrix.cases(TABLE_EPILOGUE, paired=list(TABLE_EPILOGUE)[:5])
+
+
+def _epilogue_fns(cu, activation):
+    """(ours, reference, torch's): torch's adds the bias and applies the
+    activation in the inputs' dtype, after its GEMM's rounding."""
+    def ours(a, b, bias):
+        return quack.gemm(a, b, cu_seqlens_m=cu, bias=bias, activation=activation)
+
+    _, product, _ = _gemm_fns(cu, None)
+
+    def theirs(a, b, bias):
+        z = product(a, b)
+        z = z + bias.to(z.dtype) if bias is not None else z
+        return TORCH_ACTIVATIONS[activation](z) if activation is not None else z
+
+    return ours, theirs, theirs
+
+
+@pytest.mark.parametrize("case", CASES_EPILOGUE, ids=matrix.case_id)
+def test_epilogue(case):
+    torch.manual_seed(0)
+    m, k, n, dtype = case["m"], case["k"], case["n"], case["dtype"]
+    cu, groups = None, None
+    if case["grouping"] != "dense":
+        lengths = _group_lengths(case["grouping"], m)
+        cu, m = _cu(lengths)
+        groups = len(lengths)
+    bias = {None: None, "same": dtype, "fp32": torch.float32}[case["bias"]]
+    inputs = {
+        "a": _randn(m, k, dtype=dtype),
+        "b": _randn(*((k, n) if groups is None else (groups, k, n)), dtype=dtype),
+        "bias": _randn(n, dtype=bias) if bias is not None else None,
+    }
+    matrix.check_case(*_epilogue_fns(cu, case["activation"]), inputs, ("b", "bias"), case["mode"],
+                      matrix.random_cotangents)
 
 
 # Variable-length K (the weight gradient of a grouped GEMM): G products of

@@ -32,9 +32,9 @@ def test_sentinel_sized_varlen_call_exports_every_candidate(cache_env):  # noqa:
         quack.gemm(a, b.select(0, 0))
     # Exactly the objects of the two calls' plans: both group classes of the
     # varlen call (its rows per group came from a sentinel), one dense.
-    varlen = plan_for(GemmCall("bfloat16", "bfloat16", False, True, "varlen_m", 256, False, 0))
-    dense = plan_for(GemmCall("bfloat16", "bfloat16", False, True, "dense", 256, False, 0))
-    expected = sorted((k.args[4], k.args[5]) for p in (varlen, dense) for _, k in p.kernels)
+    varlen = plan_for(GemmCall("bfloat16", "bfloat16", False, True, "varlen_m", 256, False, 0, None, None))
+    dense = plan_for(GemmCall("bfloat16", "bfloat16", False, True, "dense", 256, False, 0, None, None))
+    expected = sorted((k.args[4], k.args[-1]) for p in (varlen, dense) for _, k in p.kernels)
     assert _configs_in(cache_env.writable) == expected
     assert len(expected) == 3
 
@@ -44,8 +44,8 @@ def test_plans_hold_every_config_the_heuristic_picks():
     # time is an object of the call's plan, so warming the plan covers it.
     for n in range(8, 4104, 8):
         for grouping, sizes in (("dense", (None,)), ("varlen_m", (0.5, 1, 100, LARGE_GROUP_ROWS - 1, LARGE_GROUP_ROWS, 1e9))):
-            plan = plan_for(GemmCall("bfloat16", "bfloat16", False, True, grouping, gemm_config(n).tile_n, False, 0))
-            configs = {k.args[5] for _, k in plan.kernels}
+            plan = plan_for(GemmCall("bfloat16", "bfloat16", False, True, grouping, gemm_config(n).tile_n, False, 0, None, None))
+            configs = {k.args[-1] for _, k in plan.kernels}
             for rows in sizes:
                 assert tuple(gemm_config(n, rows)) in configs, (n, rows)
     assert [role for role, _ in GROUP_CLASSES] == ["small_groups", "large_groups"]
@@ -60,12 +60,12 @@ def test_training_call_warms_its_backward_products(cache_env):  # noqa: F811
         a = torch.empty(1000, 128, device="cuda", dtype=torch.bfloat16).requires_grad_()
         b = torch.empty(128, 1024, device="cuda", dtype=torch.bfloat16).requires_grad_()
         quack.gemm(a, b)
-    sig = GemmCall("bfloat16", "bfloat16", False, True, "dense", 256, True, 128)
+    sig = GemmCall("bfloat16", "bfloat16", False, True, "dense", 256, True, 128, None, None)
     assert [call for _, call in sig.gradient_calls()] == [
-        GemmCall("bfloat16", "bfloat16", False, False, "dense", 128, False, 0),
-        GemmCall("bfloat16", "bfloat16", True, True, "dense", 256, False, 0),
+        GemmCall("bfloat16", "bfloat16", False, False, "dense", 128, False, 0, None, None),
+        GemmCall("bfloat16", "bfloat16", True, True, "dense", 256, False, 0, None, None),
     ]
     keys = [json.loads(p.read_text())["key"]["args"] for p in (cache_env.writable / "gemm").glob("*.json")]
     exported = sorted((k["a_m_major"], k["b_n_major"], tuple(k["config"])) for k in keys)
-    assert exported == sorted((k.args[2], k.args[3], k.args[5]) for _, k in plan_for(sig).kernels)
+    assert exported == sorted((k.args[2], k.args[3], k.args[-1]) for _, k in plan_for(sig).kernels)
     assert len(exported) == 3

@@ -26,7 +26,7 @@ SIGNATURES = [
     RMSNormCall("bfloat16", "float32", True, 5120, 8, True),
     LayerNormCall("bfloat16", "bfloat16", None, 4096, 4, False),
     SoftmaxCall("float32", 7, 1, True),
-    GemmCall("float16", "float16", True, True, "dense", 128, True, 256),
+    GemmCall("float16", "float16", True, True, "dense", 128, True, 256, "gelu_tanh", "float32"),
 ]
 
 

@@ -39,10 +39,10 @@ CONFIGS = {
         (compile_rmsnorm_bwd, ("float16", "float32", True, 4097, 1)),
     ],
     "gemm": [
-        (compile_gemm, ("bfloat16", "bfloat16", False, True, "dense", tuple(GemmConfig()))),
-        (compile_gemm, ("bfloat16", "bfloat16", False, False, "dense", tuple(GemmConfig()))),
-        (compile_gemm, ("bfloat16", "bfloat16", False, True, "varlen_m", tuple(gemm_config(4096, 512.0)))),
-        (compile_gemm, ("float16", "float16", False, True, "dense", tuple(gemm_config(128)))),
+        (compile_gemm, ("bfloat16", "bfloat16", False, True, "dense", None, None, False, tuple(GemmConfig()))),
+        (compile_gemm, ("bfloat16", "bfloat16", False, False, "dense", None, None, False, tuple(GemmConfig()))),
+        (compile_gemm, ("bfloat16", "bfloat16", False, True, "varlen_m", None, None, False, tuple(gemm_config(4096, 512.0)))),
+        (compile_gemm, ("float16", "float16", False, True, "dense", None, None, False, tuple(gemm_config(128)))),
     ],
 }
 

@@ -110,6 +110,36 @@ def cases():
     return out
 
 
+EPILOGUES = [("relu", False), ("gelu_tanh", True), ("silu", True)]
+
+
+def epilogue_cases(size: int = 8192):
+    """act(A @ B [+ bias]) at size^3: fused in our epilogue, our plain GEMM
+    (the 5% budget), torch.matmul then the torch activation, and
+    torch.compile of the same."""
+    from quack.gemm_epilogue import TORCH_ACTIVATIONS
+
+    a = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
+    bias = torch.randn(size, device="cuda", dtype=torch.bfloat16)
+    out = []
+    for activation, with_bias in EPILOGUES:
+        act, v = TORCH_ACTIVATIONS[activation], bias if with_bias else None
+
+        def eager(act=act, v=v):
+            z = a @ b
+            return act(z + v if v is not None else z)
+
+        label = f"{activation}{' + bias' if with_bias else ''} {size}^3"
+        out.append((label, 2 * size**3, {
+            "quack fused": lambda activation=activation, v=v: quack.gemm(a, b, bias=v, activation=activation),
+            "quack gemm only": lambda: quack.gemm(a, b),
+            "torch": eager,
+            "torch.compile": torch.compile(eager),
+        }))
+    return out
+
+
 def main() -> None:
     args = parse_args("gemm.png")
     title = "GEMM bf16 (H200)"
@@ -134,6 +164,17 @@ def main() -> None:
         rows.append(row)
     if args.plot:
         plot(title, rows, names, None, "TFLOP/s", args.plot)
+    names = ["quack fused", "quack gemm only", "torch", "torch.compile"]
+    print(f"\nFused epilogue, bf16 (TFLOP/s of the GEMM)\n{'case':<34}" + "".join(f"{n:>18}" for n in names)
+          + f"{'fused/gemm':>12}{'fused/best torch':>18}")
+    for label, flops, impls in epilogue_cases():
+        for fn in impls.values():
+            fn()
+        ms = interleaved_ms(impls)
+        t = {name: flops / (ms[name] * 1e-3) / 1e12 for name in names}
+        print(f"{label:<34}" + "".join(f"{t[n]:>18.1f}" for n in names)
+              + f"{100 * t['quack fused'] / t['quack gemm only']:>11.0f}%"
+              + f"{100 * t['quack fused'] / max(t['torch'], t['torch.compile']):>17.0f}%")
 
 
 if __name__ == "__main__":
