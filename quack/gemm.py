@@ -4,7 +4,7 @@ Dense: A (M, K) @ B (K, N), each row- or column-major.  Variable-length M:
 A (total_M, K) packed by groups, B (G, K, N), ``cu_seqlens_m`` (G + 1,) int32
 with cu[0] = 0, non-decreasing, cu[G] = total_M; group g's rows
 ``A[cu[g]:cu[g+1]]`` multiply ``B[g]`` (empty groups are fine).  bf16 or fp16
-inputs, fp32 accumulation, bf16 or fp16 output (the input dtype by default).
+inputs, fp32 accumulation, bf16, fp16 or fp32 output (the input dtype by default).
 Variable-length K: A (M, total_K), B (total_K, N), ``cu_seqlens_k`` (G + 1,)
 int32 splitting total_K; returns (G, M, N), group g contracting over
 ``cu[g]:cu[g+1]`` (an empty group gives zeros): the weight gradient of a
@@ -57,6 +57,7 @@ from quack.gemm_epilogue import TORCH_ACTIVATIONS, activation_grad, check_activa
 from quack.gemm_threads import cta_threads
 
 INPUT_DTYPES = (torch.bfloat16, torch.float16)
+OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # fp32: weight gradients kept unrounded
 _ALIGN_ELEMENTS = 8  # 16 bytes of a 16-bit dtype
 LARGE_GROUP_ROWS = 2048  # varlen: from this many rows per group on, clusters pair CTAs along M
 
@@ -370,8 +371,8 @@ def gemm(A: torch.Tensor, B: torch.Tensor, out_dtype: Optional[torch.dtype] = No
     _check_operand("B", B, A)
     ti.check_arch("quack.gemm", A.device, "an sm_90 GPU (Hopper's WGMMA)", (9, 0), maximum=(9, 0))
     out_dtype = A.dtype if out_dtype is None else out_dtype
-    if out_dtype not in INPUT_DTYPES:
-        raise TypeError(f"out_dtype must be torch.bfloat16 or torch.float16, got {out_dtype}")
+    if out_dtype not in OUT_DTYPES:
+        raise TypeError(f"out_dtype must be torch.bfloat16, torch.float16 or torch.float32, got {out_dtype}")
     _check_dims(A, B, cu_seqlens_m, cu_seqlens_k)
     _check_epilogue(bias, activation, A, B, cu_seqlens_k)
     grouping = "varlen_m" if cu_seqlens_m is not None else "varlen_k" if cu_seqlens_k is not None else "dense"
@@ -513,7 +514,7 @@ class _GemmFunction(torch.autograd.Function):
 
 
 # The fast path's key spells out_dtype as a number (-1: one the checks refuse).
-_OUT_DTYPE_CODES = {None: 0, torch.bfloat16: 1, torch.float16: 2}
+_OUT_DTYPE_CODES = {None: 0, torch.bfloat16: 1, torch.float16: 2, torch.float32: 3}
 
 
 def _dense_closure(plan: Plan, b3: torch.Tensor, out: torch.Tensor):

@@ -339,7 +339,10 @@ class HopperGemm:
         tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
 
         # Epilogue: registers -> shared (stmatrix) -> global (TMA or predicated copy).
-        store_atom = cute.make_copy_atom(warp.StMatrix8x8x16bOp(self.d_major.is_m_major_c(), 4), self.d_dtype)
+        if const_expr(self.d_dtype.width == 16):
+            store_atom = cute.make_copy_atom(warp.StMatrix8x8x16bOp(self.d_major.is_m_major_c(), 4), self.d_dtype)
+        else:  # fp32 output (weight gradients): plain stores, stmatrix moves 16-bit values only
+            store_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.d_dtype)
         r2s = cute.make_tiled_copy_S(
             sm90.get_smem_store_op(self.d_major, elem_ty_d=self.d_dtype, elem_ty_acc=cutlass.Float32),
             cute.make_tiled_copy_C_atom(store_atom, tiled_mma),

@@ -17,7 +17,7 @@ def test_dtypes():
     with pytest.raises(TypeError, match="dtype float16"):
         quack.gemm(_cuda(8, 8), _cuda(8, 8, dtype=torch.float16))
     with pytest.raises(TypeError, match="out_dtype"):
-        quack.gemm(_cuda(8, 8), _cuda(8, 8), out_dtype=torch.float32)
+        quack.gemm(_cuda(8, 8), _cuda(8, 8), out_dtype=torch.float64)
     with pytest.raises(TypeError, match="int32"):
         quack.gemm(_cuda(8, 8), _cuda(1, 8, 8), cu_seqlens_m=_cuda(2, dtype=torch.int64))
 
