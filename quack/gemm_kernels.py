@@ -339,21 +339,15 @@ class HopperGemm:
         tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
 
         # Epilogue: registers -> shared (stmatrix) -> global (TMA or predicated copy).
-        if const_expr(self.d_dtype.width == 16):
-            store_atom = cute.make_copy_atom(warp.StMatrix8x8x16bOp(self.d_major.is_m_major_c(), 4), self.d_dtype)
-        else:  # fp32 output (weight gradients): plain stores, stmatrix moves 16-bit values only
-            store_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.d_dtype)
-        r2s = cute.make_tiled_copy_S(
-            sm90.get_smem_store_op(self.d_major, elem_ty_d=self.d_dtype, elem_ty_acc=cutlass.Float32),
-            cute.make_tiled_copy_C_atom(store_atom, tiled_mma),
-        )
+        r2s = epilogue_copy(tiled_mma, self.d_major, self.d_dtype)
         thr_r2s = r2s.get_slice(tidx)
         r2s_sd = thr_r2s.partition_D(sd)
         r2s_acc = r2s.retile(acc)
         sub_shape = cute.shape(thr_r2s.partition_S(sd))[:3]
         sub_acc = cute.make_rmem_tensor(sub_shape, cutlass.Float32)
         sub_out = cute.make_rmem_tensor(sub_shape, self.d_dtype)
-        sub_coords = thr_r2s.partition_D(cute.make_identity_tensor(self.epi_tile))  # (row, col) of each value
+        # (row, col) in the tile of each accumulator, in sub_acc's order (as r2s_acc is built).
+        r2s_coords = r2s.retile(thr_mma.partition_C(cute.make_identity_tensor(self.tile_mnk[:2])))
         store_pipe = pipeline.PipelineTmaStore.create(
             num_stages=EPILOGUE_BUFFERS,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.consumer_threads),
@@ -408,9 +402,9 @@ class HopperGemm:
                 for v in cutlass.range_constexpr(cute.size(sub_acc)):
                     sub_acc[v] = r2s_acc[sub * cute.size(sub_acc) + v]
                 if const_expr(bias is not None):
-                    col0 = n_tile * self.tile_mnk[1] + sub * EPILOGUE_N
+                    col0 = n_tile * self.tile_mnk[1]
                     for v in cutlass.range_constexpr(cute.size(sub_acc)):
-                        col = col0 + sub_coords[v][1]
+                        col = col0 + r2s_coords[sub * cute.size(sub_acc) + v][1]
                         if col < d.shape[1]:
                             sub_acc[v] = sub_acc[v] + bias[col].to(cutlass.Float32)
                 if const_expr(preact is not None):
@@ -520,6 +514,19 @@ def _activate(x, name: str):
     if const_expr(name == "gelu_tanh"):
         return 0.5 * x * (1.0 + cute.math.tanh(_GELU_TANH_SCALE * (x + 0.044715 * x * x * x)))
     return x / (1.0 + cute.math.exp(-x))  # silu
+
+
+def epilogue_copy(tiled_mma, d_major, d_dtype):
+    """The epilogue's tiled copy of accumulators to shared memory.  The
+    stmatrix atom lays it out for every output dtype (a plain-store atom
+    would permute each thread's values); the store itself is
+    ``get_smem_store_op``'s: stmatrix for 16-bit outputs, plain stores for
+    fp32.  tests/test_gemm_epilogue_layout.py checks where values land."""
+    store_atom = cute.make_copy_atom(warp.StMatrix8x8x16bOp(d_major.is_m_major_c(), 4), d_dtype)
+    return cute.make_tiled_copy_S(
+        sm90.get_smem_store_op(d_major, elem_ty_d=d_dtype, elem_ty_acc=cutlass.Float32),
+        cute.make_tiled_copy_C_atom(store_atom, tiled_mma),
+    )
 
 
 def _tma_load(atom, src, dst, barrier, mask, multicast: int):

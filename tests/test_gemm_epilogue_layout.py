@@ -1,0 +1,64 @@
+"""Where the GEMM epilogue's values go, checked at trace time (CPU, no GPU).
+
+The epilogue reads each accumulator's (row, col) from the MMA's own layout
+(``r2s.retile`` of the accumulator coordinates: the bias column) and copies
+the values to shared memory with ``gemm_kernels.epilogue_copy``.  stmatrix
+moves 16-bit values between the lanes of a warp, so a thread's destination
+coordinates are not its values' (the bias must not read them); a plain fp32
+store must put every value at its own coordinate.
+"""
+
+import pytest
+
+cute = pytest.importorskip("cutlass.cute")
+
+import cutlass  # noqa: E402
+import cutlass.tensor_utils as tensor_utils  # noqa: E402
+import cutlass.utils.hopper_helpers as sm90  # noqa: E402
+
+from quack.cache.key import compile_options  # noqa: E402
+from quack.gemm_kernels import EPILOGUE_N, epilogue_copy  # noqa: E402
+
+TILE = (128, 256)
+VALUES = TILE[0] * EPILOGUE_N // 256  # one 32-column subtile over two consumer warpgroups
+
+
+def _coordinates(d_dtype, threads=(0, 1, 5, 37, 200)):
+    """Per thread: (the accumulators' coordinates in copy order, the copy's
+    destination coordinates) of the first subtile."""
+    got = {}
+
+    @cute.jit
+    def trace():
+        tiled_mma = sm90.make_trivial_tiled_mma(
+            cutlass.BFloat16, cutlass.BFloat16, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN,
+            cutlass.Float32, (2, 1, 1), tiler_mn=(64, TILE[1]),
+        )
+        r2s = epilogue_copy(tiled_mma, tensor_utils.LayoutEnum.ROW_MAJOR, d_dtype)
+        for t in threads:
+            source = r2s.retile(tiled_mma.get_slice(t).partition_C(cute.make_identity_tensor(TILE)))
+            dest = r2s.get_slice(t).partition_D(cute.make_identity_tensor((TILE[0], EPILOGUE_N)))
+            got[t] = ([tuple(source[v]) for v in range(VALUES)], [tuple(dest[v]) for v in range(VALUES)])
+
+    cute.compile(trace, options=compile_options("sm_90a"))  # traced for the H200, whatever GPU is here
+    return got
+
+
+def test_fp32_values_land_on_their_own_coordinates():
+    for source, dest in _coordinates(cutlass.Float32).values():
+        assert source == dest
+
+
+def test_bias_columns_come_from_the_accumulator_layout():
+    got = _coordinates(cutlass.BFloat16)
+    # The MMA's accumulator layout: lane l of warp 0 holds rows l // 4 and
+    # l // 4 + 8, columns 2 (l % 4) + {0, 1} + 8 j.
+    for t, (source, dest) in got.items():
+        lane, warp = t % 32, t // 32
+        row = lane // 4 + 16 * (warp % 4) + 64 * (warp // 4)
+        cols = {c for _, c in source}
+        assert {r for r, _ in source} == {row, row + 8}
+        assert cols == {2 * (lane % 4) + k + 8 * j for k in (0, 1) for j in range(4)}
+        assert all(c < EPILOGUE_N for c in cols)
+    # stmatrix moves values between lanes: its destinations are not the values' own coordinates.
+    assert any(source != dest for source, dest in got.values())
