@@ -179,8 +179,8 @@ class GemmCall(Signature):
 
     def gradient_calls(self) -> tuple[tuple[str, "GemmCall"], ...]:
         """The calls the backward makes when autograd hands it a row-major dC
-        (torch's own ops do; another layout is copied or has a plan of its
-        own): dA = dC @ Bᵀ and dB = Aᵀ @ dC (for grouped rows: over each
+        (torch's ops mostly do; a column-major one has plans of its own, and
+        one the kernel cannot read is copied row-major): dA = dC @ Bᵀ and dB = Aᵀ @ dC (for grouped rows: over each
         group's rows, a variable-length K).  Both in the inputs' dtype,
         through views: Bᵀ and Aᵀ flip those operands' layouts."""
         if not self.backward:
@@ -268,8 +268,13 @@ def _check_tma(name: str, t: torch.Tensor, unit_dim: int = -1) -> None:
     if ti.address(t) % 16:
         raise ValueError(f"{name} must start at a 16-byte aligned address (TMA)")
     for dim, stride in enumerate(t.stride()):
-        if dim != unit_dim % t.dim() and stride % _ALIGN_ELEMENTS:
-            raise ValueError(f"{name} stride {stride} of dim {dim} must be a multiple of {_ALIGN_ELEMENTS} (TMA)")
+        if dim == unit_dim % t.dim():
+            continue
+        if stride % _ALIGN_ELEMENTS or (stride == 0 and t.shape[dim] > 1):
+            raise ValueError(
+                f"{name} stride {stride} of dim {dim} must be a nonzero multiple of {_ALIGN_ELEMENTS} (TMA; "
+                "pass a copy of a broadcast view)"
+            )
 
 
 def _a_view(a: torch.Tensor, grouping: str):
@@ -359,8 +364,9 @@ def gemm(A: torch.Tensor, B: torch.Tensor, out_dtype: Optional[torch.dtype] = No
     ``bias`` (N,) in A's dtype or fp32 and ``activation`` (``gemm_epilogue.ACTIVATIONS``)
     are fused into the epilogue: act(A @ B + bias), not with cu_seqlens_k.
     Grouped rows: output rows outside [cu[0], cu[G]) are left unwritten (and
-    so is their gradient); a malformed cu_seqlens gives wrong values, never
-    an access outside A, B or D.
+    so is their gradient, which the bias gradient would then sum: train with
+    cu[0] = 0 and cu[G] = total_M); a malformed cu_seqlens gives wrong
+    values, never an access outside A, B or D.
     """
     plain = bias is None and activation is None
     key = fastpath.describe(A, B, cu_seqlens_m, cu_seqlens_k, _OUT_DTYPE_CODES.get(out_dtype, -1)) if plain else None
@@ -484,33 +490,53 @@ def _empty_product(ops: _Operands) -> torch.Tensor:
 
 class _GemmFunction(torch.autograd.Function):
     """dA = dC @ Bᵀ and dB = Aᵀ @ dC, each one GEMM on views (no transposed
-    copies); the forward saves the A its kernel read and B (and for grouped
-    rows cu_seqlens_m)."""
+    copies).  The forward saves what the backward needs of what its kernel
+    read: A (for dB), B as (L, K, N) (for dA), cu_seqlens_m, the
+    pre-activation."""
 
     @staticmethod
     def forward(ctx, A, B, bias, ops, cu, plan):
         out = _product(ops, cu, plan)
-        ctx.save_for_backward(ops.a, B.detach(), cu, ops.preact)
-        ctx.activation, ctx.bias_dtype = ops.activation, bias.dtype if bias is not None else None
+        b_kn = ops.b3 if ops.b_n_major else ops.b3.transpose(-1, -2)
+        wants_a, wants_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        ctx.save_for_backward(ops.a if wants_b else None, b_kn if wants_a else None, cu, ops.preact)
+        ctx.dtypes = (A.dtype, B.dtype, bias.dtype if bias is not None else None)
+        ctx.activation = ops.activation
         return out
 
     @staticmethod
     def backward(ctx, dc):
-        a, b, cu, preact = ctx.saved_tensors
+        a, b_kn, cu, preact = ctx.saved_tensors
+        a_dtype, b_dtype, bias_dtype = ctx.dtypes
         if ctx.activation is not None:
             # One elementwise pass over the saved pre-activation (not fused).
             dc = activation_grad(preact, dc, ctx.activation)
-        dc = dc.to(a.dtype)  # an out_dtype other than the inputs'
-        da = db = dbias = None
-        if ctx.needs_input_grad[2]:
-            dbias = dc.float().sum(0).to(ctx.bias_dtype)
-        grouping = "dense" if cu is None else "varlen_m"
+        dbias = dc.float().sum(0).to(bias_dtype) if ctx.needs_input_grad[2] else None
+        dc = dc.to(a_dtype)  # an out_dtype other than the inputs'
+        if not _tma_ready(dc):
+            dc = dc.contiguous()  # autograd's layout (a transpose, a slice, a broadcast): one copy
+        da = db = None
         if ctx.needs_input_grad[0]:
-            da = _product(_operands(dc, b.transpose(-1, -2), a.dtype, cu, grouping), cu)
+            grouping = "dense" if cu is None else "varlen_m"
+            da = _product(_operands(dc, b_kn.transpose(-1, -2), a_dtype, cu, grouping), cu)
         if ctx.needs_input_grad[1]:
             # Grouped rows: group g's dB contracts over its rows, a variable-length K.
-            db = _product(_operands(a.t(), dc, b.dtype, cu, "dense" if cu is None else "varlen_k"), cu)
+            db = _product(_operands(a.t(), dc, b_dtype, cu, "dense" if cu is None else "varlen_k"), cu)
         return da, db, dbias, None, None, None
+
+
+def _tma_ready(t: torch.Tensor) -> bool:
+    """Can the 2-D ``t`` go to the kernel as it is, as A or as B: one dim of
+    unit stride, the other's stride a nonzero multiple of 8 elements (or
+    that dim of size 1), a 16-byte aligned base."""
+    if ti.address(t) % 16:
+        return False
+    for unit, other in ((1, 0), (0, 1)):
+        if t.stride(unit) == 1 or t.shape[unit] == 1:
+            stride = t.stride(other)
+            if t.shape[other] == 1 or (stride > 0 and stride % _ALIGN_ELEMENTS == 0):
+                return True
+    return False
 
 
 # The fast path's key spells out_dtype as a number (-1: one the checks refuse).

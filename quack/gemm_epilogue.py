@@ -1,7 +1,9 @@
 """The GEMM's fused epilogues on the host side, without the CuTe DSL: the
 activations the kernel applies (``quack/gemm_kernels.py`` computes them in
-fp32 before its one rounding) and their torch definitions, which the
-backward differentiates and the tests take as the reference."""
+fp32 before its one rounding), their torch definitions (the tests'
+reference) and their derivatives in closed form, which the backward applies
+to the saved pre-activation (no ``torch.autograd.grad`` inside a backward:
+torch.compile traces it)."""
 
 from __future__ import annotations
 
@@ -19,6 +21,14 @@ TORCH_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
 }
 
+# d act(z) / dz times the incoming gradient g, both fp32.
+ACTIVATION_GRADS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
+    "relu": lambda g, z: g * (z > 0),
+    "relu_sq": lambda g, z: g * 2 * F.relu(z),
+    "gelu_tanh": lambda g, z: torch.ops.aten.gelu_backward(g, z, approximate="tanh"),
+    "silu": lambda g, z: torch.ops.aten.silu_backward(g, z),
+}
+
 
 def check_activation(activation: Optional[str]) -> None:
     if activation not in ACTIVATIONS:
@@ -27,9 +37,5 @@ def check_activation(activation: Optional[str]) -> None:
 
 def activation_grad(preact: torch.Tensor, grad_out: torch.Tensor, activation: str) -> torch.Tensor:
     """dL/d(preact) from dL/d(out), in fp32, rounded to ``grad_out``'s dtype:
-    one elementwise pass over the saved pre-activation (torch's own
-    derivative of the activation)."""
-    with torch.enable_grad():
-        z = preact.detach().float().requires_grad_()
-        (dz,) = torch.autograd.grad(TORCH_ACTIVATIONS[activation](z), z, grad_out.float())
-    return dz.to(grad_out.dtype)
+    one elementwise pass over the saved pre-activation."""
+    return ACTIVATION_GRADS[activation](grad_out.float(), preact.float()).to(grad_out.dtype)

@@ -24,8 +24,8 @@ on the TMA tensors.  A TMA box must start 16-byte aligned along a contiguous
 dimension (an unaligned start is an illegal instruction), so a group's K
 range starts at its first column rounded down to a multiple of 8; its first
 K tile then holds columns of the group before it and its last one columns
-of the group after: the consumers zero those columns of the A stage before
-the WGMMA.  An empty group's tiles run no K step and store zeros.
+of the group after: the consumers zero those columns of the A and B stages
+before the WGMMA.  An empty group's tiles run no K step and store zeros.
 
 Fused epilogue (``activation``, ``has_bias``): D = act(A @ B + bias), bias a
 vector of N added in fp32, the activation applied in fp32 before the one
@@ -373,7 +373,8 @@ class HopperGemm:
                     # The stage's columns outside the group: [lo, hi) are its own.
                     lo, hi = k_lead - k * TILE_K, k_len - k * TILE_K
                     if (lo > 0) | (hi < TILE_K):
-                        self._zero_outside_group(sa[None, None, read_state.index], lo, hi, tidx)
+                        self._zero_outside_group(sa[None, None, read_state.index], sb[None, None, read_state.index],
+                                                 lo, hi, tidx)
                 warpgroup.fence()
                 for kb in cutlass.range_constexpr(k_blocks):
                     cute.gemm(tiled_mma, acc, frag_a[None, None, kb, read_state.index],
@@ -455,19 +456,20 @@ class HopperGemm:
         epi_barrier.arrive_and_wait()
 
     @cute.jit
-    def _zero_outside_group(self, sa_stage, lo, hi, tidx):
-        """Zero the columns of an A stage before ``lo`` and from ``hi`` on: they
-        belong to the groups before and after this one (varlen K), which the
-        tile's TMA box reached into.  Every consumer thread takes a share,
-        then all of them wait for the writes to reach the WGMMA's (async)
-        proxy."""
-        tile_m = self.tile_mnk[0]
+    def _zero_outside_group(self, sa_stage, sb_stage, lo, hi, tidx):
+        """Zero the K columns of an A and a B stage before ``lo`` and from
+        ``hi`` on: they belong to the groups before and after this one (varlen
+        K), which the tile's TMA boxes reached into.  Both operands, so that a
+        non-finite value in a neighbouring group (0 x inf) stays there.  Every
+        consumer thread takes a share, then all of them wait for the writes
+        to reach the WGMMA's (async) proxy."""
         zero = self.ab_dtype(0.0)
-        for j in cutlass.range_constexpr(tile_m * TILE_K // self.consumer_threads):
-            i = tidx + j * self.consumer_threads
-            row, col = i % tile_m, i // tile_m
-            if (col < lo) | (col >= hi):
-                sa_stage[row, col] = zero
+        for stage, rows in ((sa_stage, self.tile_mnk[0]), (sb_stage, self.tile_mnk[1])):
+            for j in cutlass.range_constexpr(rows * TILE_K // self.consumer_threads):
+                i = tidx + j * self.consumer_threads
+                row, col = i % rows, i // rows
+                if (col < lo) | (col >= hi):
+                    stage[row, col] = zero
         cute.arch.fence_proxy("async.shared", space="cta")
         pipeline.NamedBarrier(barrier_id=ZERO_BARRIER_ID, num_threads=self.consumer_threads).arrive_and_wait()
 

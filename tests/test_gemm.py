@@ -1,9 +1,10 @@
-"""The Hopper GEMM against torch, dense and grouped (variable-length M), on the GPU.
+"""The Hopper GEMM against torch on the GPU: dense, grouped by rows or along K,
+with its autograd and fused epilogue.
 
 Run: ``pytest tests/test_gemm.py`` (needs an sm_90 GPU), or
 ``pytest --compile-only tests/test_gemm.py`` to compile and export every
-object these tests use without one.  One object per (dtypes, B layout, dense
-or varlen, tile config) serves every size below: the dims are dynamic.
+object these tests use without one.  One object per (dtypes, A and B layouts,
+grouping, epilogue, tile config) serves every size below: the dims are dynamic.
 """
 
 import sys
@@ -12,9 +13,11 @@ import pytest
 import torch
 
 import quack
+from quack.compile_only import is_compile_only
 from quack.gemm import gemm_ref
 from quack.gemm_epilogue import ACTIVATIONS, TORCH_ACTIVATIONS
 from quack.testing import matrix
+from quack.testing.autograd import vjp
 
 pytestmark = pytest.mark.gpu
 
@@ -371,3 +374,46 @@ def test_m_major_a_every_launch(b_layout):
     ref = gemm_ref(a, b)
     for _ in range(3):
         _close(quack.gemm(a, b), ref)
+
+
+@pytest.mark.parametrize("layout", ["transposed", "sliced", "broadcast"])
+def test_backward_takes_any_cotangent_layout(layout):
+    # Autograd picks dC's layout: a transpose (q @ k.t() downstream), an
+    # unaligned slice (torch.cat), a broadcast (.sum(-1)); the kernel reads
+    # none of them as they are, so the backward copies dC once.
+    torch.manual_seed(0)
+    a, b = _randn(77, 64), _randn(64, 136)
+    dc = {
+        "transposed": lambda: _randn(136, 77).t(),
+        "sliced": lambda: _randn(77, 139).narrow(1, 3, 136),
+        "broadcast": lambda: _randn(77, 1).expand(77, 136),
+    }[layout]()
+    _, (da, db) = vjp(quack.gemm, (a, b), [dc])
+    if not is_compile_only():
+        _close(da, gemm_ref(dc.contiguous(), b.t()))
+        _close(db, gemm_ref(a.t(), dc.contiguous()))
+
+
+def test_torch_compile_fullgraph_epilogue_and_groups():
+    # Autograd through the fused epilogue (bias, activation) and grouped rows
+    # inside one compiled graph.
+    torch.manual_seed(0)
+    cu, m = _cu([100, 0, 137])
+    inputs = {"a": _randn(m, 128), "b": _randn(3, 128, 264), "bias": _randn(264)}
+    ours, ref, theirs = _epilogue_fns(cu, "silu")
+    matrix.check_case(matrix.compiled(ours), ref, theirs, inputs, ("b", "bias"), "grad_all", matrix.random_cotangents)
+
+
+def test_varlen_k_groups_do_not_mix():
+    # A non-finite value in one group's rows of A or B never reaches another
+    # group's product (the columns a K tile shares with a neighbour are zeroed
+    # in both operands' stages).
+    torch.manual_seed(0)
+    cu, _ = _cu([100, 36, 24])
+    inf = torch.full((64, 1), float("inf"), device="cuda", dtype=torch.bfloat16)
+    nan = torch.full((1, 128), float("nan"), device="cuda", dtype=torch.bfloat16)
+    a = torch.cat([_randn(64, 99), inf, _randn(64, 60)], 1)  # group 0's last column
+    b = torch.cat([_randn(136, 128), nan, _randn(23, 128)])  # group 2's first row
+    out = quack.gemm(a, b, cu_seqlens_k=cu)
+    if not is_compile_only():
+        _close(out[1], gemm_ref(a[:, 100:136], b[100:136]))

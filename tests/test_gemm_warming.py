@@ -55,7 +55,7 @@ def test_training_call_warms_its_backward_products(cache_env):  # noqa: F811
     # A call that will be differentiated warms the forward's object and the
     # backward's two products (dA: B's other layout, K's tile; dB: an
     # M-contiguous A), so a strict GPU run of the same training step misses
-    # nothing; a grouped call's plan holds its dA products only.
+    # nothing; a grouped call's plan holds its dA products and the variable-length-K dB.
     with compile_only_mode():
         a = torch.empty(1000, 128, device="cuda", dtype=torch.bfloat16).requires_grad_()
         b = torch.empty(128, 1024, device="cuda", dtype=torch.bfloat16).requires_grad_()
