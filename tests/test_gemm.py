@@ -80,6 +80,15 @@ def _group_lengths(grouping: str, m: int) -> list[int]:
     return [m // 2, m - m // 2]
 
 
+def _grouped_rows(grouping: str, m: int):
+    """(cu_seqlens_m or None, total rows, groups or None) of a case's grouping."""
+    if grouping == "dense":
+        return None, m, None
+    lengths = _group_lengths(grouping, m)
+    cu, total = _cu(lengths)
+    return cu, total, len(lengths)
+
+
 def _operand(*shape, dtype, layout):
     """A tensor of ``shape`` whose last dim (row-major) or the one before it
     (column-major, a transposed view) is contiguous."""
@@ -112,12 +121,8 @@ def _gemm_fns(cu, out_dtype):
 @pytest.mark.parametrize("case", CASES, ids=matrix.case_id)
 def test_matrix(case):
     torch.manual_seed(0)
-    m, k, n, dtype = case["m"], case["k"], case["n"], case["dtype"]
-    cu, groups = None, None
-    if case["grouping"] != "dense":
-        lengths = _group_lengths(case["grouping"], m)
-        cu, m = _cu(lengths)
-        groups = len(lengths)
+    k, n, dtype = case["k"], case["n"], case["dtype"]
+    cu, m, groups = _grouped_rows(case["grouping"], case["m"])
     b_shape = (k, n) if groups is None else (groups, k, n)
     inputs = {
         "a": _operand(m, k, dtype=dtype, layout=case["a_layout"]),
@@ -161,12 +166,8 @@ def _epilogue_fns(cu, activation):
 @pytest.mark.parametrize("case", CASES_EPILOGUE, ids=matrix.case_id)
 def test_epilogue(case):
     torch.manual_seed(0)
-    m, k, n, dtype = case["m"], case["k"], case["n"], case["dtype"]
-    cu, groups = None, None
-    if case["grouping"] != "dense":
-        lengths = _group_lengths(case["grouping"], m)
-        cu, m = _cu(lengths)
-        groups = len(lengths)
+    k, n, dtype = case["k"], case["n"], case["dtype"]
+    cu, m, groups = _grouped_rows(case["grouping"], case["m"])
     bias = {None: None, "same": dtype, "fp32": torch.float32}[case["bias"]]
     inputs = {
         "a": _randn(m, k, dtype=dtype),
