@@ -1,7 +1,7 @@
 """quack: Hopper kernels in the CuTe DSL whose compiled objects are cached build artifacts.
 
 Public ops: :func:`rmsnorm`, :func:`softmax`, :func:`cross_entropy`,
-:func:`layernorm`, :func:`gemm`.  The kernel cache is :mod:`quack.cache`;
+:func:`layernorm`, :func:`gemm`, :func:`gemm_glu`.  The kernel cache is :mod:`quack.cache`;
 compile-only warming is :mod:`quack.compile_only` and the pytest plugin
 ``quack.testing.pytest_plugin``.
 
@@ -20,6 +20,7 @@ _EXPORTS = {
     "cross_entropy": "cross_entropy",
     "cross_entropy_ref": "cross_entropy",
     "gemm": "gemm",
+    "gemm_glu": "gemm",
     "gemm_ref": "gemm",
     "layernorm": "layernorm",
     "layernorm_ref": "layernorm",

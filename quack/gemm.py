@@ -53,7 +53,7 @@ from quack.cache import compile_options, jit_cache
 from quack.compile_only import differentiable_outputs, is_compile_only
 from quack.cute_op import cute_op
 from quack.plan import Kernel, Plan, Signature, plan_for, signature
-from quack.gemm_epilogue import TORCH_ACTIVATIONS, activation_grad, check_activation
+from quack.gemm_epilogue import GATED, TORCH_ACTIVATIONS, activation_grad, check_activation
 from quack.gemm_threads import cta_threads
 
 INPUT_DTYPES = (torch.bfloat16, torch.float16)
@@ -115,7 +115,7 @@ def compile_gemm(ab_dtype: str, d_dtype: str, a_m_major: bool, b_n_major: bool, 
 
     a = fake(ab, (k, m) if a_m_major else (m, k), 2)
     b = fake(ab, (groups, k, n) if b_n_major else (groups, n, k), 3)
-    d = fake(dt, (m, n), 2)
+    d = fake(dt, (m, cute.sym_int() if activation in GATED else n), 2)  # gated: half of B's columns
     preact = fake(dt, (m, n), 2) if store_preact else None
     compact = cute.runtime.make_fake_compact_tensor
     grouped = grouping != "dense"
@@ -137,11 +137,11 @@ GROUP_CLASSES = (("small_groups", 1.0), ("large_groups", float(LARGE_GROUP_ROWS)
 class GemmCall(Signature):
     """What decides a ``quack.gemm`` call's kernels: the input and output
     dtypes, A's and B's layouts (M- or N-contiguous, or K-contiguous), the
-    grouping (``GROUPINGS``), the tile width ``gemm_config`` picks for N, whether autograd
+    grouping (``GROUPINGS``), the tile width ``gemm_config`` picks for B's N, whether autograd
     will run the call's backward and, if so, the tile width of dA's product
     (``gemm_config`` of K; 0 without a backward), and the fused epilogue:
-    activation and bias dtype (None: none).  A training call with an
-    activation also stores the pre-activation."""
+    activation (gated ones: ``gemm_glu``) and bias dtype (None: none).  A
+    training call with an activation also stores the pre-activation."""
 
     OP: ClassVar[str] = "gemm"
     ab_dtype: str
@@ -198,9 +198,14 @@ def call_signature(a, b3, out, cu_seqlens, a_m_major: bool, b_n_major: bool, bac
     and ``_b_view`` give them; out (G, M, N) for varlen K)."""
     return GemmCall(
         ti.dtype_name(a.dtype), ti.dtype_name(out.dtype), a_m_major, b_n_major, grouping_of(out, cu_seqlens),
-        gemm_config(out.shape[-1]).tile_n, backward, gemm_config(a.shape[1]).tile_n if backward else 0,
+        gemm_config(_columns(b3, b_n_major)).tile_n, backward, gemm_config(a.shape[1]).tile_n if backward else 0,
         activation, ti.dtype_name(bias.dtype) if bias is not None else None,
     )
+
+
+def _columns(b3: torch.Tensor, b_n_major: bool) -> int:
+    """B's N (the accumulator's columns) from its kernel view."""
+    return b3.shape[2] if b_n_major else b3.shape[1]
 
 
 def grouping_of(out: torch.Tensor, cu_seqlens: Optional[torch.Tensor]) -> str:
@@ -373,14 +378,46 @@ def gemm(A: torch.Tensor, B: torch.Tensor, out_dtype: Optional[torch.dtype] = No
     out = _FAST.call(key, A, B, out_dtype)
     if out is not NotImplemented:
         return out
+    check_activation(activation)
+    out_dtype = _check_call("quack.gemm", A, B, out_dtype, cu_seqlens_m, cu_seqlens_k)
+    _check_epilogue(bias, activation, A, B, cu_seqlens_k)
+    return _call(A, B, out_dtype, cu_seqlens_m, cu_seqlens_k, bias, activation, key)
+
+
+def gemm_glu(A: torch.Tensor, B: torch.Tensor, activation: str = "swiglu", out_dtype: Optional[torch.dtype] = None,
+             cu_seqlens_m: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """act(A @ B_gate) * (A @ B_up) in one GEMM: B (K, 2N), or (G, K, 2N)
+    with ``cu_seqlens_m``, holds the gate and up projections interleaved
+    column by column (gate j at column 2 j, up j at 2 j + 1); returns (M, N).
+    ``activation``: swiglu (silu), geglu (GELU's tanh approximation) or
+    reglu (relu) of the gate, in fp32 before the one rounding.
+
+    A call that autograd will differentiate also stores the (M, 2N)
+    pre-activation A @ B (memory: twice the output), from which the backward
+    recomputes the gate's activation (one elementwise pass) before its two
+    GEMMs.  Layouts, dtypes and errors as ``gemm``; N a multiple of 8.
+    """
+    check_activation(activation, gated=True)
+    out_dtype = _check_call("quack.gemm_glu", A, B, out_dtype, cu_seqlens_m, None)
+    if B.shape[-1] % (2 * _ALIGN_ELEMENTS):
+        raise ValueError(f"B's {B.shape[-1]} columns must be 2 N with N a multiple of {_ALIGN_ELEMENTS} (TMA)")
+    return _call(A, B, out_dtype, cu_seqlens_m, None, None, activation, None)
+
+
+def _check_call(op: str, A, B, out_dtype, cu_seqlens_m, cu_seqlens_k) -> torch.dtype:
+    """Every check of a call's operands that raises before a launch; returns the output dtype."""
     _check_operand("A", A, None)
     _check_operand("B", B, A)
-    ti.check_arch("quack.gemm", A.device, "an sm_90 GPU (Hopper's WGMMA)", (9, 0), maximum=(9, 0))
+    ti.check_arch(op, A.device, "an sm_90 GPU (Hopper's WGMMA)", (9, 0), maximum=(9, 0))
     out_dtype = A.dtype if out_dtype is None else out_dtype
     if out_dtype not in OUT_DTYPES:
         raise TypeError(f"out_dtype must be torch.bfloat16, torch.float16 or torch.float32, got {out_dtype}")
     _check_dims(A, B, cu_seqlens_m, cu_seqlens_k)
-    _check_epilogue(bias, activation, A, B, cu_seqlens_k)
+    return out_dtype
+
+
+def _call(A, B, out_dtype, cu_seqlens_m, cu_seqlens_k, bias, activation, key) -> torch.Tensor:
+    """A checked call: its product, through autograd when it will be differentiated."""
     grouping = "varlen_m" if cu_seqlens_m is not None else "varlen_k" if cu_seqlens_k is not None else "dense"
     cu = cu_seqlens_m if cu_seqlens_m is not None else cu_seqlens_k
     cu = cu.contiguous() if cu is not None else None
@@ -402,7 +439,6 @@ def gemm(A: torch.Tensor, B: torch.Tensor, out_dtype: Optional[torch.dtype] = No
 
 
 def _check_epilogue(bias, activation, A, B, cu_seqlens_k) -> None:
-    check_activation(activation)
     if (bias is not None or activation is not None) and cu_seqlens_k is not None:
         raise ValueError("bias and activation are not fused into a variable-length-K GEMM")
     if bias is None:
@@ -437,10 +473,11 @@ def _operands(A, B, out_dtype, cu, grouping: str, bias=None, activation=None, ba
     varlen K."""
     a, a_m_major = _a_view(A, grouping)
     b3, b_n_major = _b_view(B if B.dim() == 3 else B.unsqueeze(0))
-    n = b3.shape[2] if b_n_major else b3.shape[1]
-    shape = (cu.shape[0] - 1, a.shape[0], n) if grouping == "varlen_k" else (a.shape[0], n)
+    n = _columns(b3, b_n_major)
+    out_n = n // 2 if activation in GATED else n
+    shape = (cu.shape[0] - 1, a.shape[0], out_n) if grouping == "varlen_k" else (a.shape[0], out_n)
     out = torch.empty(shape, device=A.device, dtype=out_dtype)
-    preact = torch.empty_like(out) if backward and activation is not None else None
+    preact = torch.empty((a.shape[0], n), device=A.device, dtype=out_dtype) if backward and activation else None
     return _Operands(a if a_m_major else _unit_strides(a), a_m_major, _unit_strides(b3), b_n_major, out, bias,
                      activation, preact)
 
@@ -477,8 +514,13 @@ def _product(ops: _Operands, cu, plan: Optional[Plan] = None, key: Optional[byte
 
 
 def _empty_product(ops: _Operands) -> torch.Tensor:
-    """An empty product: K = 0 gives act(bias) (zeros without a bias)."""
+    """An empty product: K = 0 gives act(bias) (zeros without a bias; a gated
+    product gives act(0) * 0 = 0)."""
     z = ops.out.zero_()
+    if ops.activation in GATED:
+        if ops.preact is not None:
+            ops.preact.zero_()
+        return z
     if z.numel() and ops.bias is not None:
         z.add_(ops.bias)
     if ops.preact is not None:

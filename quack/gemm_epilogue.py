@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 
 ACTIVATIONS = (None, "relu", "relu_sq", "gelu_tanh", "silu")
+# Gated activations (``quack.gemm_glu``): each name -> the activation of its gate.
+GATED = {"swiglu": "silu", "geglu": "gelu_tanh", "reglu": "relu"}
 
 TORCH_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "relu": F.relu,
@@ -30,12 +32,27 @@ ACTIVATION_GRADS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 }
 
 
-def check_activation(activation: Optional[str]) -> None:
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+def check_activation(activation: Optional[str], gated: bool = False) -> None:
+    names = tuple(GATED) if gated else ACTIVATIONS
+    if activation not in names:
+        raise ValueError(f"activation must be one of {names}, got {activation!r}")
+
+
+def gated_ref(z: torch.Tensor, activation: str) -> torch.Tensor:
+    """act(gate) * up of the interleaved columns of ``z`` (gate j at column
+    2 j, up j at 2 j + 1), in ``z``'s dtype."""
+    gate, up = z.unflatten(-1, (-1, 2)).unbind(-1)
+    return TORCH_ACTIVATIONS[GATED[activation]](gate) * up
 
 
 def activation_grad(preact: torch.Tensor, grad_out: torch.Tensor, activation: str) -> torch.Tensor:
     """dL/d(preact) from dL/d(out), in fp32, rounded to ``grad_out``'s dtype:
-    one elementwise pass over the saved pre-activation."""
-    return ACTIVATION_GRADS[activation](grad_out.float(), preact.float()).to(grad_out.dtype)
+    one elementwise pass over the saved pre-activation.  Gated: the
+    gradients of the gate and up columns, interleaved as they are."""
+    g, z = grad_out.float(), preact.float()
+    if activation not in GATED:
+        return ACTIVATION_GRADS[activation](g, z).to(grad_out.dtype)
+    gate, up = z.unflatten(-1, (-1, 2)).unbind(-1)
+    act = GATED[activation]
+    grads = (ACTIVATION_GRADS[act](g * up, gate), g * TORCH_ACTIVATIONS[act](gate))
+    return torch.stack(grads, dim=-1).flatten(-2).to(grad_out.dtype)

@@ -15,7 +15,7 @@ import torch
 import quack
 from quack.compile_only import is_compile_only
 from quack.gemm import gemm_ref
-from quack.gemm_epilogue import ACTIVATIONS, TORCH_ACTIVATIONS
+from quack.gemm_epilogue import ACTIVATIONS, GATED, TORCH_ACTIVATIONS, gated_ref
 from quack.testing import matrix
 from quack.testing.autograd import vjp
 
@@ -176,6 +176,46 @@ def test_epilogue(case):
     }
     matrix.check_case(*_epilogue_fns(cu, case["activation"]), inputs, ("b", "bias"), case["mode"],
                       matrix.random_cotangents)
+
+
+# The gated epilogue, act(A @ B_gate) * (A @ B_up) with B's gate and up
+# columns interleaved: every gated activation, B's two layouts, dense and
+# grouped rows, which gradients autograd takes; N (half of B's columns)
+# below one output tile, past one and past two.
+TABLE_GLU = {
+    "dtype": [torch.bfloat16, torch.float16],
+    "activation": list(GATED),
+    "b_layout": ["row", "col"],
+    "grouping": ["dense", "varlen_tiny"],
+    "mode": list(matrix.MODES),
+    "m": [1, 200, 1000],
+    "k": [8, 1096],
+    "n": [8, 136, 264],
+}
+CASES_GLU = matrix.cases(TABLE_GLU, paired=list(TABLE_GLU)[:5])
+
+
+def _glu_fns(cu, activation):
+    """(ours, reference, torch's): torch's gates its GEMM's rounded output."""
+    def ours(a, b):
+        return quack.gemm_glu(a, b, activation=activation, cu_seqlens_m=cu)
+
+    _, product, _ = _gemm_fns(cu, None)
+
+    def theirs(a, b):
+        return gated_ref(product(a, b), activation)
+
+    return ours, theirs, theirs
+
+
+@pytest.mark.parametrize("case", CASES_GLU, ids=matrix.case_id)
+def test_glu(case):
+    torch.manual_seed(0)
+    k, n, dtype = case["k"], 2 * case["n"], case["dtype"]
+    cu, m, groups = _grouped_rows(case["grouping"], case["m"])
+    b_shape = (k, n) if groups is None else (groups, k, n)
+    inputs = {"a": _randn(m, k, dtype=dtype), "b": _operand(*b_shape, dtype=dtype, layout=case["b_layout"])}
+    matrix.check_case(*_glu_fns(cu, case["activation"]), inputs, PARAMS, case["mode"], matrix.random_cotangents)
 
 
 # Variable-length K (the weight gradient of a grouped GEMM): G products of

@@ -62,3 +62,48 @@ def test_bias_columns_come_from_the_accumulator_layout():
         assert all(c < EPILOGUE_N for c in cols)
     # stmatrix moves values between lanes: its destinations are not the values' own coordinates.
     assert any(source != dest for source, dest in got.values())
+
+
+def _accumulator_coordinates(tile_n, threads):
+    """Per thread: the (row, col) of each accumulator of a (128, tile_n) tile, in index order."""
+    got = {}
+
+    @cute.jit
+    def trace():
+        tiled_mma = sm90.make_trivial_tiled_mma(
+            cutlass.BFloat16, cutlass.BFloat16, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN,
+            cutlass.Float32, (2, 1, 1), tiler_mn=(64, tile_n),
+        )
+        for t in threads:
+            coords = tiled_mma.get_slice(t).partition_C(cute.make_identity_tensor((TILE[0], tile_n)))
+            got[t] = [tuple(coords[v]) for v in range(cute.size(coords))]
+
+    cute.compile(trace, options=compile_options("sm_90a"))
+    return got
+
+
+def test_gated_epilogue_moves_each_product_to_its_column():
+    """``HopperGemm._gate``'s index arithmetic, replayed on the traced
+    layouts: the gate and up values it pairs are columns 2 j and 2 j + 1 of
+    one row, and after its shuffles every lane holds, at each index, the
+    product of the D column the half-width MMA's layout puts there."""
+    warp = range(32, 64)  # the second warp: rows 16 to 31
+    full = _accumulator_coordinates(TILE[1], warp)
+    half = _accumulator_coordinates(TILE[1] // 2, warp)
+    products = {}  # per lane: (x0, x1) of each (chunk, row half), as D coordinates
+    for t in warp:
+        for j in range(len(half[t]) // 4):
+            for r in range(2):
+                pair = []
+                for first in (8 * j + 2 * r, 8 * j + 2 * r + 4):
+                    (row, gate), (row_up, up) = full[t][first], full[t][first + 1]
+                    assert row == row_up and gate % 2 == 0 and up == gate + 1
+                    pair.append((row, gate // 2))
+                products[t, j, r] = pair
+    for t in warp:
+        q = t % 4
+        for j in range(len(half[t]) // 4):
+            for r in range(2):
+                for c in range(2):
+                    source = t - q + (2 * q + c) % 4
+                    assert products[source, j, r][1 if q >= 2 else 0] == half[t][4 * j + 2 * r + c]

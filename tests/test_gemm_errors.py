@@ -68,3 +68,16 @@ def test_variable_length_k():
         quack.gemm(_cuda(8, 16), _cuda(16, 8), cu_seqlens_k=_cuda(0, dtype=torch.int32))
     with pytest.raises(ValueError, match="K = 12 and N = 8"):
         quack.gemm(_cuda(8, 12), _cuda(12, 8), cu_seqlens_k=cu)
+
+
+def test_gated():
+    with pytest.raises(ValueError, match="activation must be one of"):
+        quack.gemm_glu(_cuda(8, 16), _cuda(16, 16), activation="silu")
+    with pytest.raises(ValueError, match="activation must be one of"):
+        quack.gemm(_cuda(8, 16), _cuda(16, 16), activation="swiglu")
+    with pytest.raises(ValueError, match="2 N with N a multiple of 8"):
+        quack.gemm_glu(_cuda(8, 16), _cuda(16, 24))
+    with pytest.raises(TypeError, match="dtype float16"):
+        quack.gemm_glu(_cuda(8, 16), _cuda(16, 16, dtype=torch.float16))
+    with pytest.raises(ValueError, match="3-D"):
+        quack.gemm_glu(_cuda(8, 16), _cuda(16, 16), cu_seqlens_m=_cuda(2, dtype=torch.int32))

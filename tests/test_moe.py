@@ -1,7 +1,8 @@
 """A mixture-of-experts expert layer on quack.gemm, forward and backward, on the GPU.
 
-Tokens sorted by expert, a grouped up-projection, SwiGLU, a grouped
-down-projection (``quack/testing/moe.py``); gradients of the tokens and of
+Tokens sorted by expert, a grouped up-projection, SwiGLU (in torch, or
+fused into the up-projection by quack.gemm_glu), a grouped down-projection
+(``quack/testing/moe.py``); gradients of the tokens and of
 both expert weights (the weights' through the variable-length-K product)
 against the float64 reference, with the matrix's tolerance rule (torch's
 error: the same layer on torch.matmul in bf16).  Run: ``pytest tests/test_moe.py``.
@@ -19,8 +20,9 @@ pytestmark = pytest.mark.gpu
 EXPERTS, HIDDEN, WIDTH, ROWS = 16, 512, 384, 3000
 
 
+@pytest.mark.parametrize("gated", [False, True], ids=["swiglu_in_torch", "gemm_glu"])
 @pytest.mark.parametrize("mode", ["grad_all", "grad_params", matrix.INFERENCE])
-def test_expert_layer(mode):
+def test_expert_layer(mode, gated):
     torch.manual_seed(0)
     lengths = moe.routed_lengths(EXPERTS, ROWS)
     assert 0 in lengths  # some experts get no tokens
@@ -32,10 +34,10 @@ def test_expert_layer(mode):
         "w_down": torch.randn(EXPERTS, WIDTH, HIDDEN, **bf16) / WIDTH**0.5,
     }
 
-    def layer(grouped_mm):
-        return lambda x, w_up, w_down: moe.expert_layer(x, w_up, w_down, cu, grouped_mm)
+    def layer(grouped_mm, gated_mm=None):
+        return lambda x, w_up, w_down: moe.expert_layer(x, w_up, w_down, cu, grouped_mm, gated_mm)
 
     matrix.check_case(
-        layer(moe.quack_mm), layer(moe.loop_mm), layer(moe.loop_mm), inputs, ("w_up", "w_down"), mode,
+        layer(moe.quack_mm, moe.quack_glu if gated else None), layer(moe.loop_mm), layer(moe.loop_mm), inputs, ("w_up", "w_down"), mode,
         matrix.random_cotangents,
     )

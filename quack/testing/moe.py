@@ -2,33 +2,48 @@
 
 Tokens arrive sorted by expert (``cu_seqlens`` (E + 1,) int32 marks each
 expert's rows); each expert multiplies its rows by its up-projection
-(hidden -> 2 x width: the gate and the up halves), applies SwiGLU
+(hidden -> 2 x width: gate and up columns interleaved, gate j at column 2 j
+and up j at 2 j + 1, as ``quack.gemm_glu`` takes them), applies SwiGLU
 (silu(gate) * up) and multiplies by its down-projection (width -> hidden).
 The grouped products are a parameter, so the same layer runs on quack.gemm,
-on torch._grouped_mm and on a loop of torch.matmul (the float64 reference).
+on torch._grouped_mm and on a loop of torch.matmul (the float64 reference);
+the up-projection and SwiGLU may be one gated product (``quack_glu``).
 """
 
 from __future__ import annotations
 
 import random
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
 
+from quack.gemm_epilogue import gated_ref
+
 GroupedMM = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def expert_layer(x, w_up, w_down, cu_seqlens, grouped_mm: GroupedMM):
-    """x (T, H) sorted by expert, w_up (E, H, 2W), w_down (E, W, H) -> (T, H)."""
-    gate, up = grouped_mm(x, w_up, cu_seqlens).chunk(2, dim=-1)
-    return grouped_mm(F.silu(gate) * up, w_down, cu_seqlens)
+def expert_layer(x, w_up, w_down, cu_seqlens, grouped_mm: GroupedMM, gated_mm: Optional[GroupedMM] = None):
+    """x (T, H) sorted by expert, w_up (E, H, 2W), w_down (E, W, H) -> (T, H).
+    ``gated_mm``: the up-projection and SwiGLU in one call; else SwiGLU in
+    torch on ``grouped_mm``'s product."""
+    if gated_mm is not None:
+        hidden = gated_mm(x, w_up, cu_seqlens)
+    else:
+        hidden = gated_ref(grouped_mm(x, w_up, cu_seqlens), "swiglu")
+    return grouped_mm(hidden, w_down, cu_seqlens)
 
 
 def quack_mm(a, b, cu_seqlens):
     import quack
 
     return quack.gemm(a, b, cu_seqlens_m=cu_seqlens)
+
+
+def quack_glu(a, b, cu_seqlens):
+    import quack
+
+    return quack.gemm_glu(a, b, activation="swiglu", cu_seqlens_m=cu_seqlens)
 
 
 def torch_grouped_mm(a, b, cu_seqlens):

@@ -4,10 +4,11 @@
 
 Dense bf16 (M, K) @ (K, N) with bf16 output; the backward's two products on
 the same views autograd hands them (dA = dC @ Bᵀ, B's other layout, and
-dB = Aᵀ @ dC, an M-contiguous A), against cuBLAS on those views; and the
+dB = Aᵀ @ dC, an M-contiguous A), against cuBLAS on those views; the
 grouped (variable-length M) products of issue 8: 8 groups of 2048 rows and
 64 uneven groups summing to 32768 rows, K = N = 4096, forward, dA and dB
-(the variable-length-K product).  The grouped references are ``torch._grouped_mm``
+(the variable-length-K product); the fused activation and gated (gemm_glu)
+epilogues against the plain GEMM and torch.  The grouped references are ``torch._grouped_mm``
 (where this torch has it) and a loop of ``torch.matmul``.  Inputs are random
 (zeros would flatter every GEMM: the tensor cores draw less power).  Each
 figure is the median of three round-robin passes over the contenders.
@@ -140,6 +141,45 @@ def epilogue_cases(size: int = 8192):
     return out
 
 
+def glu_cases(size: int = 8192):
+    """act(A @ B_gate) * (A @ B_up) (``quack.gemm_glu``) with B of ``size``
+    interleaved columns, at size^3 for each gated activation and at the
+    grouped forward's shapes for swiglu: fused, our plain GEMM of the same
+    B (the 5% budget), torch's GEMM then the torch gating, and torch.compile
+    of the same.  FLOPs of the GEMM (2 M 2N K)."""
+    from quack.gemm_epilogue import GATED, gated_ref
+
+    a = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(size, size, device="cuda", dtype=torch.bfloat16) / size**0.5
+    for activation in GATED:
+        def eager(activation=activation):
+            return gated_ref(a @ b, activation)
+
+        yield f"{activation} {size}^3", 2 * size**3, {
+            "quack fused": lambda activation=activation: quack.gemm_glu(a, b, activation=activation),
+            "quack gemm only": lambda: quack.gemm(a, b),
+            "torch": eager,
+            "torch.compile": torch.compile(eager),
+        }
+    if not hasattr(torch, "_grouped_mm"):
+        return
+    for label, lengths in (("8x2048", [2048] * 8), ("64 uneven", _uneven_lengths(64, 32768))):
+        x = torch.randn(sum(lengths), 4096, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(len(lengths), 4096, 4096, device="cuda", dtype=torch.bfloat16) / 64
+        w_cm = w.transpose(1, 2).contiguous().transpose(1, 2)  # cuBLASLt's layout
+        cu = torch.nn.functional.pad(torch.tensor(lengths, device="cuda").cumsum(0), (1, 0)).to(torch.int32)
+
+        def grouped(x=x, w_cm=w_cm, cu=cu):
+            return gated_ref(torch._grouped_mm(x, w_cm, offs=cu[1:]), "swiglu")
+
+        yield f"swiglu grouped {label}", 2 * sum(lengths) * 4096 * 4096, {
+            "quack fused": lambda x=x, w=w, cu=cu: quack.gemm_glu(x, w, cu_seqlens_m=cu),
+            "quack gemm only": lambda x=x, w=w, cu=cu: quack.gemm(x, w, cu_seqlens_m=cu),
+            "torch": grouped,
+            "torch.compile": torch.compile(grouped),
+        }
+
+
 def main() -> None:
     args = parse_args("gemm.png")
     title = "GEMM bf16 (H200)"
@@ -167,7 +207,7 @@ def main() -> None:
     names = ["quack fused", "quack gemm only", "torch", "torch.compile"]
     print(f"\nFused epilogue, bf16 (TFLOP/s of the GEMM)\n{'case':<34}" + "".join(f"{n:>18}" for n in names)
           + f"{'fused/gemm':>12}{'fused/best torch':>18}")
-    for label, flops, impls in epilogue_cases():
+    for label, flops, impls in (*epilogue_cases(), *glu_cases()):
         for fn in impls.values():
             fn()
         ms = interleaved_ms(impls)
