@@ -1,4 +1,5 @@
-"""Hopper GEMM as a cached, torch-callable op: ``quack.gemm(A, B, out_dtype, cu_seqlens_m, cu_seqlens_k)``.
+"""Hopper GEMM as cached, torch-callable ops: ``quack.gemm(A, B, out_dtype,
+cu_seqlens_m, cu_seqlens_k, bias, activation)`` and ``quack.gemm_glu``.
 
 Dense: A (M, K) @ B (K, N), each row- or column-major.  Variable-length M:
 A (total_M, K) packed by groups, B (G, K, N), ``cu_seqlens_m`` (G + 1,) int32
@@ -9,6 +10,10 @@ Variable-length K: A (M, total_K), B (total_K, N), ``cu_seqlens_k`` (G + 1,)
 int32 splitting total_K; returns (G, M, N), group g contracting over
 ``cu[g]:cu[g+1]`` (an empty group gives zeros): the weight gradient of a
 grouped GEMM, whose A is a transposed view (an M-contiguous A, not copied).
+
+Gated (``gemm_glu``): act(A @ B_gate) * (A @ B_up) with B's gate and up
+columns interleaved, (M, N) from B's 2N columns, in the same kernel's
+epilogue (``quack/gemm_kernels.py``).
 
 Autograd: dA = dC @ Bᵀ and dB = Aᵀ @ dC are this same kernel on views, the
 transposes flipping those operands' layouts (an M-contiguous A is one of the
