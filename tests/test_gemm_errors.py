@@ -70,6 +70,13 @@ def test_variable_length_k():
         quack.gemm(_cuda(8, 12), _cuda(12, 8), cu_seqlens_k=cu)
 
 
+def test_bias():
+    with pytest.raises(ValueError, match="contiguous vector of N = 8"):
+        quack.gemm(_cuda(8, 16), _cuda(16, 8), bias=_cuda(16))
+    with pytest.raises(ValueError, match="4-byte aligned"):
+        quack.gemm(_cuda(8, 16), _cuda(16, 8), bias=_cuda(9).as_strided((8,), (1,), 1))
+
+
 def test_gated():
     with pytest.raises(ValueError, match="activation must be one of"):
         quack.gemm_glu(_cuda(8, 16), _cuda(16, 16), activation="silu")
