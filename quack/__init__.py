@@ -1,7 +1,7 @@
 """quack: Hopper kernels in the CuTe DSL whose compiled objects are cached build artifacts.
 
 Public ops: :func:`rmsnorm`, :func:`softmax`, :func:`cross_entropy`,
-:func:`layernorm`, :func:`gemm`, :func:`gemm_glu`.  The kernel cache is :mod:`quack.cache`;
+:func:`layernorm`, :func:`gemm`, :func:`gemm_glu`, :func:`mlp`.  The kernel cache is :mod:`quack.cache`;
 compile-only warming is :mod:`quack.compile_only` and the pytest plugin
 ``quack.testing.pytest_plugin``.
 
@@ -23,6 +23,7 @@ _EXPORTS = {
     "gemm_glu": "gemm",
     "gemm_ref": "gemm",
     "layernorm": "layernorm",
+    "mlp": "gemm_mlp",
     "layernorm_ref": "layernorm",
     "rmsnorm": "rmsnorm",
     "rmsnorm_ref": "rmsnorm",

@@ -58,7 +58,7 @@ from quack.cache import compile_options, jit_cache
 from quack.compile_only import differentiable_outputs, is_compile_only
 from quack.cute_op import cute_op
 from quack.plan import Kernel, Plan, Signature, plan_for, signature
-from quack.gemm_epilogue import GATED, TORCH_ACTIVATIONS, activation_grad, check_activation
+from quack.gemm_epilogue import TORCH_ACTIVATIONS, activation_grad, check_activation, out_columns, parse_epilogue
 from quack.gemm_threads import cta_threads
 
 INPUT_DTYPES = (torch.bfloat16, torch.float16)
@@ -120,8 +120,11 @@ def compile_gemm(ab_dtype: str, d_dtype: str, a_m_major: bool, b_n_major: bool, 
 
     a = fake(ab, (k, m) if a_m_major else (m, k), 2)
     b = fake(ab, (groups, k, n) if b_n_major else (groups, n, k), 3)
-    d = fake(dt, (m, cute.sym_int() if activation in GATED else n), 2)  # gated: half of B's columns
-    preact = fake(dt, (m, n), 2) if store_preact else None
+    _, gated, derivative = parse_epilogue(activation)
+    d_cols = cute.sym_int() if gated else n  # gated: half of B's columns, a derivative twice
+    d = fake(dt, (m, d_cols), 2)
+    # A forward's stored pre-activation, or the one a derivative reads (shaped like D).
+    preact = fake(dt, (m, d_cols if derivative else n), 2) if store_preact or derivative else None
     compact = cute.runtime.make_fake_compact_tensor
     grouped = grouping != "dense"
     cu = compact(Int32, (cute.sym_int(),), assumed_align=4) if grouped else None
@@ -201,9 +204,13 @@ def call_signature(a, b3, out, cu_seqlens, a_m_major: bool, b_n_major: bool, bac
                    activation: Optional[str] = None, bias: Optional[torch.Tensor] = None) -> GemmCall:
     """The signature of a call on validated operands (a and b3 as ``_a_view``
     and ``_b_view`` give them; out (G, M, N) for varlen K)."""
+    tile_n = gemm_config(_columns(b3, b_n_major)).tile_n
+    _, gated, derivative = parse_epilogue(activation)
+    if gated and derivative:
+        tile_n = min(tile_n, 128)  # its D tile is twice as wide, at most the MMA's 256
     return GemmCall(
         ti.dtype_name(a.dtype), ti.dtype_name(out.dtype), a_m_major, b_n_major, grouping_of(out, cu_seqlens),
-        gemm_config(_columns(b3, b_n_major)).tile_n, backward, gemm_config(a.shape[1]).tile_n if backward else 0,
+        tile_n, backward, gemm_config(a.shape[1]).tile_n if backward else 0,
         activation, ti.dtype_name(bias.dtype) if bias is not None else None,
     )
 
@@ -248,7 +255,8 @@ def _gemm(a: torch.Tensor, b3: torch.Tensor, out: torch.Tensor, cu_seqlens: Opti
     (L, N, K); out is (M, N), or (G, M, N) for varlen K; ``preact`` given for
     a training call with an activation; the plan comes from the real
     tensors."""
-    sig = call_signature(a, b3, out, cu_seqlens, a_m_major, b_n_major, preact is not None, activation, bias)
+    backward = preact is not None and not parse_epilogue(activation)[2]  # a derivative reads preact
+    sig = call_signature(a, b3, out, cu_seqlens, a_m_major, b_n_major, backward, activation, bias)
     _run(plan_for(sig), a, b3, out, cu_seqlens, bias, preact)
 
 
@@ -472,17 +480,19 @@ class _Operands(NamedTuple):
     preact: Optional[torch.Tensor] = None
 
 
-def _operands(A, B, out_dtype, cu, grouping: str, bias=None, activation=None, backward: bool = False) -> _Operands:
+def _operands(A, B, out_dtype, cu, grouping: str, bias=None, activation=None, backward: bool = False,
+              preact=None) -> _Operands:
     """The kernel's views of checked operands (any sizes: the backward's
     products contract over M) and new outputs: (M, N), or (G, M, N) for
-    varlen K."""
+    varlen K.  ``preact``: the saved pre-activation a derivative epilogue reads."""
     a, a_m_major = _a_view(A, grouping)
     b3, b_n_major = _b_view(B if B.dim() == 3 else B.unsqueeze(0))
     n = _columns(b3, b_n_major)
-    out_n = n // 2 if activation in GATED else n
+    out_n = out_columns(activation, n)
     shape = (cu.shape[0] - 1, a.shape[0], out_n) if grouping == "varlen_k" else (a.shape[0], out_n)
     out = torch.empty(shape, device=A.device, dtype=out_dtype)
-    preact = torch.empty((a.shape[0], n), device=A.device, dtype=out_dtype) if backward and activation else None
+    if backward and activation:
+        preact = torch.empty((a.shape[0], n), device=A.device, dtype=out_dtype)
     return _Operands(a if a_m_major else _unit_strides(a), a_m_major, _unit_strides(b3), b_n_major, out, bias,
                      activation, preact)
 
@@ -520,9 +530,12 @@ def _product(ops: _Operands, cu, plan: Optional[Plan] = None, key: Optional[byte
 
 def _empty_product(ops: _Operands) -> torch.Tensor:
     """An empty product: K = 0 gives act(bias) (zeros without a bias; a gated
-    product gives act(0) * 0 = 0)."""
+    product gives act(0) * 0 = 0, a derivative 0 * act'(Z) = 0)."""
     z = ops.out.zero_()
-    if ops.activation in GATED:
+    _, gated, derivative = parse_epilogue(ops.activation)
+    if derivative:
+        return z  # (its preact is an input)
+    if gated:
         if ops.preact is not None:
             ops.preact.zero_()
         return z
@@ -559,24 +572,38 @@ class _GemmFunction(torch.autograd.Function):
             # One elementwise pass over the saved pre-activation (not fused).
             dc = activation_grad(preact, dc, ctx.activation)
         dbias = dc.float().sum(0).to(bias_dtype) if ctx.needs_input_grad[2] else None
-        dc = dc.to(a_dtype)  # an out_dtype other than the inputs'
-        if not _tma_ready(dc):
-            dc = dc.contiguous()  # autograd's layout (a transpose, a slice, a broadcast): one copy
-        da = db = None
-        if ctx.needs_input_grad[0]:
-            grouping = "dense" if cu is None else "varlen_m"
-            da = _product(_operands(dc, b_kn.transpose(-1, -2), a_dtype, cu, grouping), cu)
-        if ctx.needs_input_grad[1]:
-            # Grouped rows: group g's dB contracts over its rows, a variable-length K.
-            db = _product(_operands(a.t(), dc, b_dtype, cu, "dense" if cu is None else "varlen_k"), cu)
+        dc = kernel_ready(dc, a_dtype)
+        da, db = input_grads(dc, a, b_kn, cu, ctx.needs_input_grad[0], ctx.needs_input_grad[1], b_dtype)
         return da, db, dbias, None, None, None
+
+
+def kernel_ready(grad: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Autograd's gradient as the kernel reads it: in ``dtype`` (an
+    out_dtype other than the inputs'), copied where its layout (a transpose,
+    a slice, a broadcast) does not suit TMA."""
+    grad = grad.to(dtype)
+    return grad if _tma_ready(grad) else grad.contiguous()
+
+
+def input_grads(dc, a, b_kn, cu, wants_a: bool, wants_b: bool, b_dtype: torch.dtype):
+    """(dA, dB) of C = A @ B from dC, each one GEMM on views: dA = dC @ Bᵀ,
+    dB = Aᵀ @ dC (grouped rows: group g's dB contracts over its rows, a
+    variable-length K); None where not wanted."""
+    da = db = None
+    if wants_a:
+        grouping = "dense" if cu is None else "varlen_m"
+        da = _product(_operands(dc, b_kn.transpose(-1, -2), dc.dtype, cu, grouping), cu)
+    if wants_b:
+        db = _product(_operands(a.t(), dc, b_dtype, cu, "dense" if cu is None else "varlen_k"), cu)
+    return da, db
 
 
 def _tma_ready(t: torch.Tensor) -> bool:
     """Can the 2-D ``t`` go to the kernel as it is, as A or as B: one dim of
     unit stride, the other's stride a nonzero multiple of 8 elements (or
-    that dim of size 1), a 16-byte aligned base."""
-    if ti.address(t) % 16:
+    that dim of size 1), a 16-byte aligned base (unknown while torch.compile
+    traces: the strides decide, and the op checks the address when it runs)."""
+    if not torch.compiler.is_compiling() and ti.address(t) % 16:
         return False
     for unit, other in ((1, 0), (0, 1)):
         if t.stride(unit) == 1 or t.shape[unit] == 1:

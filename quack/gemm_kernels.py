@@ -42,6 +42,14 @@ MMA's layout (the one the store path expects) wants two adjacent columns
 per lane: four shuffles within the quad move them there.  ``preact`` is the
 (M, 2N) product.
 
+Backward epilogues (``activation`` one of ``DERIVATIVES``, "d" + a name):
+``preact`` is an input, the pre-activation Z a forward saved, read at each
+value's own coordinates.  D = (A @ B) * act'(Z); for a gated one, A @ B is
+the gradient g of the gated output (M, N) and D (M, 2N) the gradients of the
+interleaved gate and up columns, g * up * act'(gate) and g * act(gate):
+each lane's D columns 2 j and 2 j + 1 need g_j from the lane holding it
+(two shuffles), D laid out as a double-width MMA's (tile_n at most 128).
+
 Nothing here depends on M, N, K or the number of groups: they are dynamic, so
 one compiled object serves every problem size (see ``quack/gemm.py``).
 """
@@ -59,7 +67,7 @@ import cutlass.utils.hopper_helpers as sm90
 from cutlass import Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warp, warpgroup
 
-from quack.gemm_epilogue import ACTIVATIONS, GATED
+from quack.gemm_epilogue import parse_epilogue
 from quack.gemm_schedule import find_group, first_cursor, group_rows, tile_in_group
 from quack.gemm_threads import THREADS_PER_WARPGROUP, cta_threads
 
@@ -89,17 +97,19 @@ class HopperGemm:
     ``d`` is (G * M, N), the G products stacked.  ``bias`` (N,) or None;
     ``preact`` like ``d`` or None (``ACTIVATIONS`` names the activations).
     A gated ``activation`` (``GATED``) makes ``d`` (M, N / 2) and ``preact``
-    (M, N) for a B of N interleaved gate and up columns.
+    (M, N) for a B of N interleaved gate and up columns; a derivative
+    (``DERIVATIVES``) reads ``preact``, shaped like ``d``: (M, N), or (M, 2N)
+    for a gated one.
     """
 
     def __init__(self, tile_m: int, tile_n: int, cluster_m: int, cluster_n: int, band: int, a_m_major: bool,
                  b_n_major: bool, varlen_k: bool = False, activation: Optional[str] = None):
-        if activation not in ACTIVATIONS and activation not in GATED:
-            raise ValueError(f"activation must be one of {ACTIVATIONS} or {tuple(GATED)}, got {activation!r}")
-        self.gated = activation in GATED
-        self.activation = GATED[activation] if self.gated else activation
+        self.activation, self.gated, self.derivative = parse_epilogue(activation)
         self.tile_mnk = (tile_m, tile_n, TILE_K)
-        self.out_tile_n = tile_n // 2 if self.gated else tile_n  # D's columns per tile
+        # D's columns per tile
+        self.out_tile_n = (2 * tile_n if self.derivative else tile_n // 2) if self.gated else tile_n
+        if self.out_tile_n > 256:
+            raise ValueError(f"a gated derivative's tile is at most 128 columns wide, got {tile_n}")
         self.a_m_major = a_m_major
         self.varlen_k = varlen_k
         self.cluster_m = cluster_m
@@ -146,7 +156,7 @@ class HopperGemm:
             cpasync.CopyBulkTensorTileS2GOp(), d, cute.slice_(sd_layout, (None, None, 0)), self.epi_tile
         )
         tma_p, tp = None, None
-        if const_expr(preact is not None):
+        if const_expr(preact is not None and not self.derivative):
             tma_p, tp = cpasync.make_tiled_tma_atom(
                 cpasync.CopyBulkTensorTileS2GOp(), preact, cute.slice_(sd_layout, (None, None, 0)), self.epi_tile
             )
@@ -351,6 +361,7 @@ class HopperGemm:
                  cta_m, cta_n, cu_seqlens, num_groups, total_rows, total_k, cluster_id, cluster_count, n_clusters):
         """Consumer warpgroups: WGMMA over the stages, then the epilogue."""
         thr_mma = tiled_mma.get_slice(tidx)
+        stores_preact = preact is not None and not self.derivative
         frag_a = tiled_mma.make_fragment_A(thr_mma.partition_A(sa))
         frag_b = tiled_mma.make_fragment_B(thr_mma.partition_B(sb))
         acc_shape = thr_mma.partition_C(cute.make_identity_tensor(self.tile_mnk[:2])).shape
@@ -366,12 +377,13 @@ class HopperGemm:
         sub_shape = cute.shape(thr_r2s.partition_S(sd))[:3]
         sub_acc = cute.make_rmem_tensor(sub_shape, cutlass.Float32)
         sub_out = cute.make_rmem_tensor(sub_shape, self.d_dtype)
+        acc_coords = thr_mma.partition_C(cute.make_identity_tensor(self.tile_mnk[:2]))
         if const_expr(self.gated):
-            # D's values (act(gate) * up) in the half-width MMA's layout, and its store path.
-            gated = cute.make_rmem_tensor(
-                out_mma.get_slice(tidx).partition_C(cute.make_identity_tensor((self.tile_mnk[0], self.out_tile_n))).shape,
-                cutlass.Float32,
+            # D's values in the half- (double-) width MMA's layout, and its store path.
+            out_coords = out_mma.get_slice(tidx).partition_C(
+                cute.make_identity_tensor((self.tile_mnk[0], self.out_tile_n))
             )
+            gated = cute.make_rmem_tensor(out_coords.shape, cutlass.Float32)
             r2s_out = epilogue_copy(out_mma, self.d_major, self.d_dtype)
             r2s_out_sd = r2s_out.get_slice(tidx).partition_D(sd)
             r2s_gated = r2s_out.retile(gated)
@@ -428,8 +440,10 @@ class HopperGemm:
             whole_tile = rows_left >= self.tile_mnk[0]
             bsd, bgd = self._tma_subtiles(tma_d, td, sd, tile_start, n_tile, self.out_tile_n)
             bsp, bgp = None, None
-            if const_expr(preact is not None):
+            if const_expr(stores_preact):
                 bsp, bgp = self._tma_subtiles(tma_p, tp, sd, tile_start, n_tile, self.tile_mnk[1])
+            if const_expr(self.derivative and not self.gated):
+                self._scale_by_derivative(acc, acc_coords, preact, tile_start, n_tile * self.tile_mnk[1], rows_left)
             for sub in cutlass.range_constexpr(subtiles):
                 for v in cutlass.range_constexpr(cute.size(sub_acc)):
                     sub_acc[v] = r2s_acc[sub * cute.size(sub_acc) + v]
@@ -439,14 +453,14 @@ class HopperGemm:
                         col = col0 + r2s_coords[sub * cute.size(sub_acc) + v][1]
                         if col < d.shape[1]:
                             sub_acc[v] = sub_acc[v] + bias[col].to(cutlass.Float32)
-                if const_expr(preact is not None):
+                if const_expr(stores_preact):
                     sub_out.store(sub_acc.load().to(self.d_dtype))
                     self._store_subtile(r2s, sub_out, r2s_sd, sd, stores % EPILOGUE_BUFFERS, tma_p, bsp, bgp, preact,
                                         sub, whole_tile, rows_left, tile_start, n_tile * self.tile_mnk[1], tidx,
                                         store_warp, store_pipe, epi_barrier)
                     stores = stores + 1
                 if const_expr(not self.gated):
-                    if const_expr(self.activation is not None):
+                    if const_expr(self.activation is not None and not self.derivative):
                         for v in cutlass.range_constexpr(cute.size(sub_acc)):
                             sub_acc[v] = _activate(sub_acc[v], self.activation)
                     sub_out.store(sub_acc.load().to(self.d_dtype))
@@ -455,7 +469,11 @@ class HopperGemm:
                                         store_warp, store_pipe, epi_barrier)
                     stores = stores + 1
             if const_expr(self.gated):
-                self._gate(acc, gated, tidx)
+                if const_expr(self.derivative):
+                    self._gate_gradients(acc, gated, out_coords, preact, tile_start, n_tile * self.out_tile_n,
+                                         rows_left, tidx)
+                else:
+                    self._gate(acc, gated, tidx)
                 per_sub = cute.size(gated_sub)
                 for sub in cutlass.range_constexpr(out_subtiles):
                     for v in cutlass.range_constexpr(per_sub):
@@ -521,6 +539,42 @@ class HopperGemm:
                     gated[4 * j + 2 * r + c] = cutlass.Float32(cutlass.select_(q >= 2, high, low))
 
     @cute.jit
+    def _scale_by_derivative(self, acc, coords, z, tile_start, col0, rows_left):
+        """acc *= act'(Z) at each value's coordinates (tile ``coords``; the
+        tile's first row and column ``tile_start``, ``col0``); values outside
+        the group's rows or Z's columns are never stored."""
+        for i in cutlass.range_constexpr(cute.size(acc)):
+            row, col = coords[i]
+            if (row < rows_left) & (col0 + col < z.shape[1]):
+                acc[i] = acc[i] * _activation_grad(z[tile_start + row, col0 + col].to(cutlass.Float32),
+                                                   self.activation)
+
+    @cute.jit
+    def _gate_gradients(self, acc, grads, coords, z, tile_start, col0, rows_left, tidx):
+        """``grads`` (the double-width MMA's layout) = the gradients of the
+        gate and up columns of the saved Z, from ``acc``, the gated output's
+        gradient g.  Lane q of a quad holds D columns 8 c + 2 q and + 1 of
+        chunk c: gate and up of g's column j = 4 c + q, which lives on lane
+        (j % 8) // 2 at index j % 2 + 2 r + 4 (j // 8)."""
+        lane = tidx % 32
+        q = lane % 4
+        for c in cutlass.range_constexpr(cute.size(grads) // 4):
+            for r in cutlass.range_constexpr(2):
+                first = 2 * r + 4 * (c // 2)
+                source = lane - q + (4 * (c % 2) + q) // 2
+                low = cute.arch.shuffle_sync(acc[first], source)
+                high = cute.arch.shuffle_sync(acc[first + 1], source)
+                g = cutlass.Float32(cutlass.select_(q % 2 == 1, high, low))
+                row, col = coords[4 * c + 2 * r]
+                grads[4 * c + 2 * r] = cutlass.Float32(0.0)
+                grads[4 * c + 2 * r + 1] = cutlass.Float32(0.0)
+                if (row < rows_left) & (col0 + col < z.shape[1]):
+                    gate = z[tile_start + row, col0 + col].to(cutlass.Float32)
+                    up = z[tile_start + row, col0 + col + 1].to(cutlass.Float32)
+                    grads[4 * c + 2 * r] = g * up * _activation_grad(gate, self.activation)
+                    grads[4 * c + 2 * r + 1] = g * _activate(gate, self.activation)
+
+    @cute.jit
     def _zero_outside_group(self, sa_stage, sb_stage, lo, hi, tidx):
         """Zero the K columns of an A and a B stage before ``lo`` and from
         ``hi`` on: they belong to the groups before and after this one (varlen
@@ -583,6 +637,19 @@ def _activate(x, name: str):
     # silu: x / (1 + e^-x) with the fast exp2 and reciprocal (the exact
     # exp and division cost the epilogue a fifth of the GEMM's throughput).
     return x * cute.arch.rcp_approx(1.0 + cute.math.exp2(x * -_LOG2_E, fastmath=True))
+
+
+def _activation_grad(x, name: str):
+    """d act(x) / dx of one fp32 value (``_activate``'s activations)."""
+    if const_expr(name == "relu"):
+        return cutlass.Float32(cutlass.select_(x > 0.0, cutlass.Float32(1.0), cutlass.Float32(0.0)))
+    if const_expr(name == "relu_sq"):
+        return 2.0 * cutlass.max(x, cutlass.Float32(0.0))
+    if const_expr(name == "gelu_tanh"):
+        t = cute.math.tanh(_GELU_TANH_SCALE * (x + 0.044715 * x * x * x))
+        return 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * _GELU_TANH_SCALE * (1.0 + 3.0 * 0.044715 * x * x)
+    sigmoid = cute.arch.rcp_approx(1.0 + cute.math.exp2(x * -_LOG2_E, fastmath=True))  # silu
+    return sigmoid * (1.0 + x * (1.0 - sigmoid))
 
 
 def epilogue_copy(tiled_mma, d_major, d_dtype):

@@ -218,6 +218,55 @@ def test_glu(case):
     matrix.check_case(*_glu_fns(cu, case["activation"]), inputs, PARAMS, case["mode"], matrix.random_cotangents)
 
 
+# The MLP act(x @ W1) @ W2, whose backward computes dZ in the epilogue of
+# dY @ W2ᵀ: every activation, plain and gated, dense and grouped rows, which
+# gradients autograd takes (W1 and W2 are parameters); the hidden width
+# below one tile, past one and past two (the gated derivative's tiles are
+# 128 accumulator columns wide).
+TABLE_MLP = {
+    "dtype": [torch.bfloat16, torch.float16],
+    "activation": [*ACTIVATIONS[1:], *GATED],
+    "grouping": ["dense", "varlen_tiny"],
+    "mode": list(matrix.MODES),
+    "m": [1, 200, 1000],
+    "k": [8, 1096],
+    "hidden": [8, 136, 264],
+    "n": [8, 136],
+}
+CASES_MLP = matrix.cases(TABLE_MLP, paired=list(TABLE_MLP)[:4])
+
+
+def _mlp_fns(cu, activation):
+    """(ours, reference, torch's): torch's rounds each GEMM's output."""
+    def ours(x, w1, w2):
+        return quack.mlp(x, w1, w2, activation=activation, cu_seqlens_m=cu)
+
+    _, product, _ = _gemm_fns(cu, None)
+
+    def theirs(x, w1, w2):
+        z = product(x, w1)
+        h = gated_ref(z, activation) if activation in GATED else TORCH_ACTIVATIONS[activation](z)
+        return product(h, w2)
+
+    return ours, theirs, theirs
+
+
+@pytest.mark.parametrize("case", CASES_MLP, ids=matrix.case_id)
+def test_mlp(case):
+    torch.manual_seed(0)
+    k, hidden, n, dtype = case["k"], case["hidden"], case["n"], case["dtype"]
+    cu, m, groups = _grouped_rows(case["grouping"], case["m"])
+    width = 2 * hidden if case["activation"] in GATED else hidden
+    lead = () if groups is None else (groups,)
+    inputs = {
+        "x": _randn(m, k, dtype=dtype),
+        "w1": _randn(*lead, k, width, dtype=dtype) / k**0.5,
+        "w2": _randn(*lead, hidden, n, dtype=dtype) / hidden**0.5,
+    }
+    matrix.check_case(*_mlp_fns(cu, case["activation"]), inputs, ("w1", "w2"), case["mode"],
+                      matrix.random_cotangents)
+
+
 # Variable-length K (the weight gradient of a grouped GEMM): G products of
 # A[:, cu[g]:cu[g+1]] @ B[cu[g]:cu[g+1]], crossed over the dtypes, both
 # operands' layouts (a column-major A is the transposed activations of a
@@ -443,6 +492,17 @@ def test_torch_compile_fullgraph_epilogue_and_groups():
     inputs = {"a": _randn(m, 128), "b": _randn(3, 128, 264), "bias": _randn(264)}
     ours, ref, theirs = _epilogue_fns(cu, "silu")
     matrix.check_case(matrix.compiled(ours), ref, theirs, inputs, ("b", "bias"), "grad_all", matrix.random_cotangents)
+
+
+@pytest.mark.parametrize("activation", ["gelu_tanh", "swiglu"])
+def test_torch_compile_fullgraph_mlp(activation):
+    # The MLP's autograd (the derivative's epilogue) inside one compiled graph, grouped rows.
+    torch.manual_seed(0)
+    cu, m = _cu([100, 0, 137])
+    width = 2 * 136 if activation in GATED else 136
+    inputs = {"x": _randn(m, 128), "w1": _randn(3, 128, width) / 12, "w2": _randn(3, 136, 264) / 12}
+    ours, ref, theirs = _mlp_fns(cu, activation)
+    matrix.check_case(matrix.compiled(ours), ref, theirs, inputs, ("w1", "w2"), "grad_all", matrix.random_cotangents)
 
 
 def test_varlen_k_groups_do_not_mix():

@@ -107,3 +107,21 @@ def test_gated_epilogue_moves_each_product_to_its_column():
                 for c in range(2):
                     source = t - q + (2 * q + c) % 4
                     assert products[source, j, r][1 if q >= 2 else 0] == half[t][4 * j + 2 * r + c]
+
+
+def test_gate_gradients_fetch_the_gradient_of_their_columns():
+    """``HopperGemm._gate_gradients``'s index arithmetic, replayed: each lane's
+    pair of D columns (2 j, 2 j + 1: the gate and up of column j) in the
+    double-width MMA's layout gets, through its shuffle, the accumulator of
+    column j in the same row."""
+    warp = range(32, 64)
+    full = _accumulator_coordinates(128, warp)
+    double = _accumulator_coordinates(256, warp)
+    for t in warp:
+        q = t % 4
+        for c in range(len(double[t]) // 4):
+            for r in range(2):
+                source = t - q + (4 * (c % 2) + q) // 2
+                row, j = full[source][2 * r + 4 * (c // 2) + q % 2]
+                assert double[t][4 * c + 2 * r] == (row, 2 * j)
+                assert double[t][4 * c + 2 * r + 1] == (row, 2 * j + 1)

@@ -2,7 +2,7 @@
 
 Tokens sorted by expert, a grouped up-projection, SwiGLU (in torch, or
 fused into the up-projection by quack.gemm_glu), a grouped down-projection
-(``quack/testing/moe.py``); gradients of the tokens and of
+(``quack/testing/moe.py``), or the whole layer as quack.mlp; gradients of the tokens and of
 both expert weights (the weights' through the variable-length-K product)
 against the float64 reference, with the matrix's tolerance rule (torch's
 error: the same layer on torch.matmul in bf16).  Run: ``pytest tests/test_moe.py``.
@@ -20,9 +20,9 @@ pytestmark = pytest.mark.gpu
 EXPERTS, HIDDEN, WIDTH, ROWS = 16, 512, 384, 3000
 
 
-@pytest.mark.parametrize("gated", [False, True], ids=["swiglu_in_torch", "gemm_glu"])
+@pytest.mark.parametrize("variant", ["swiglu_in_torch", "gemm_glu", "mlp"])
 @pytest.mark.parametrize("mode", ["grad_all", "grad_params", matrix.INFERENCE])
-def test_expert_layer(mode, gated):
+def test_expert_layer(mode, variant):
     torch.manual_seed(0)
     lengths = moe.routed_lengths(EXPERTS, ROWS)
     assert 0 in lengths  # some experts get no tokens
@@ -37,7 +37,12 @@ def test_expert_layer(mode, gated):
     def layer(grouped_mm, gated_mm=None):
         return lambda x, w_up, w_down: moe.expert_layer(x, w_up, w_down, cu, grouped_mm, gated_mm)
 
+    ours = {
+        "swiglu_in_torch": layer(moe.quack_mm),
+        "gemm_glu": layer(moe.quack_mm, moe.quack_glu),
+        "mlp": lambda x, w_up, w_down: moe.quack_mlp_layer(x, w_up, w_down, cu),
+    }[variant]
     matrix.check_case(
-        layer(moe.quack_mm, moe.quack_glu if gated else None), layer(moe.loop_mm), layer(moe.loop_mm), inputs, ("w_up", "w_down"), mode,
+        ours, layer(moe.loop_mm), layer(moe.loop_mm), inputs, ("w_up", "w_down"), mode,
         matrix.random_cotangents,
     )

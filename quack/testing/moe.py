@@ -7,7 +7,9 @@ and up j at 2 j + 1, as ``quack.gemm_glu`` takes them), applies SwiGLU
 (silu(gate) * up) and multiplies by its down-projection (width -> hidden).
 The grouped products are a parameter, so the same layer runs on quack.gemm,
 on torch._grouped_mm and on a loop of torch.matmul (the float64 reference);
-the up-projection and SwiGLU may be one gated product (``quack_glu``).
+the up-projection and SwiGLU may be one gated product (``quack_glu``), or
+the whole layer ``quack.mlp`` (``quack_mlp_layer``), whose backward computes
+SwiGLU's derivative in a GEMM epilogue.
 """
 
 from __future__ import annotations
@@ -38,6 +40,12 @@ def quack_mm(a, b, cu_seqlens):
     import quack
 
     return quack.gemm(a, b, cu_seqlens_m=cu_seqlens)
+
+
+def quack_mlp_layer(x, w_up, w_down, cu_seqlens):
+    import quack
+
+    return quack.mlp(x, w_up, w_down, activation="swiglu", cu_seqlens_m=cu_seqlens)
 
 
 def quack_glu(a, b, cu_seqlens):

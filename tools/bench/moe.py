@@ -6,8 +6,10 @@ The layer of ``quack/testing/moe.py`` at a current MoE's sizes: 64 experts,
 hidden 4096, expert width 1536 (up-projection to 2 x 1536), 32768 routed rows
 spread unevenly with some experts empty, bf16.  Each contender runs the same
 layer (grouped up-projection, SwiGLU, grouped down-projection) with its own
-grouped GEMM (quack also with SwiGLU fused into the up-projection, ``quack.gemm_glu``), forward then backward into every input (tokens, both
-weights); torch._grouped_mm gets its weights column-major per expert, the
+grouped GEMM; quack also with SwiGLU fused into the up-projection
+(``quack.gemm_glu``) and as ``quack.mlp`` (whose backward computes SwiGLU's
+derivative in a GEMM epilogue).  Forward then backward into every input
+(tokens, both weights); torch._grouped_mm gets its weights column-major per expert, the
 layout cuBLASLt wants.  Milliseconds per step and TFLOP/s (3 GEMMs per
 product: forward, dA, dB), median of three round-robin passes.
 """
@@ -28,9 +30,12 @@ from quack.testing import moe  # noqa: E402
 EXPERTS, HIDDEN, WIDTH, ROWS = 64, 4096, 1536, 32768
 
 
-def _step(grouped_mm, x, w_up, w_down, cu, dy, gated_mm=None):
+def _step(grouped_mm, x, w_up, w_down, cu, dy, gated_mm=None, layer=None):
     def run():
-        out = moe.expert_layer(x, w_up, w_down, cu, grouped_mm, gated_mm)
+        if layer is not None:
+            out = layer(x, w_up, w_down, cu)
+        else:
+            out = moe.expert_layer(x, w_up, w_down, cu, grouped_mm, gated_mm)
         torch.autograd.grad(out, (x, w_up, w_down), dy)
 
     return run
@@ -50,6 +55,7 @@ def main() -> None:
     steps = {
         "quack": _step(moe.quack_mm, x, w_up, w_down, cu, dy),
         "quack gemm_glu": _step(moe.quack_mm, x, w_up, w_down, cu, dy, moe.quack_glu),
+        "quack.mlp": _step(None, x, w_up, w_down, cu, dy, layer=moe.quack_mlp_layer),
         "torch._grouped_mm": _step(moe.torch_grouped_mm, x, *col, cu, dy),
     }
     flops = 3 * 2 * ROWS * HIDDEN * (2 * WIDTH + WIDTH)
@@ -66,7 +72,7 @@ def main() -> None:
     print(f"{'contender':<20}{'ms/step':>10}{'TFLOP/s':>10}")
     for name, t in ms.items():
         print(f"{name:<20}{t:>10.3f}{flops / (t * 1e-3) / 1e12:>10.1f}")
-    for name in ("quack", "quack gemm_glu"):
+    for name in ("quack", "quack gemm_glu", "quack.mlp"):
         if name in ms and "torch._grouped_mm" in ms:
             print(f"{name} / torch._grouped_mm time: {ms[name] / ms['torch._grouped_mm']:.2f}")
 
