@@ -21,11 +21,13 @@ holds G stacked (M, N) products, group g contracting over ``cu[g]:cu[g+1]``
 (the weight gradient of a grouped GEMM).  Items are numbered group by group
 over the same M x N tiles; each loads its K range through coordinate offsets
 on the TMA tensors.  A TMA box must start 16-byte aligned along a contiguous
-dimension (an unaligned start is an illegal instruction), so a group's K
-range starts at its first column rounded down to a multiple of 8; its first
-K tile then holds columns of the group before it and its last one columns
-of the group after: the consumers zero those columns of the A and B stages
-before the WGMMA.  An empty group's tiles run no K step and store zeros.
+dimension (an unaligned start is an illegal instruction), so where an
+operand is K-major a group's K range starts at its first column rounded
+down to a multiple of 8 (where both are M- and N-major, as in the weight
+gradient, it starts at the column itself); its first K tile then holds
+columns of the group before it and its last one columns of the group
+after: the consumers zero those columns of the A and B stages before the
+WGMMA.  An empty group's tiles run no K step and store zeros.
 
 Fused epilogue (``activation``, ``has_bias``): D = act(A @ B + bias), bias a
 vector of N added in fp32, the activation applied in fp32 before the one
@@ -298,8 +300,11 @@ class HopperGemm:
             row_start, rows, first_item = group * total_rows, total_rows, group * per_group
             k_start, k_len = group_rows(cu_seqlens, group, num_groups, total_k)
             k_lead = Int32(0)
-            if k_len > 0:
-                k_lead = k_start % K_ALIGN
+            if const_expr(not (self.a_m_major and self.b_n_major)):
+                # (K is strided in M- and N-major operands: any start will do,
+                # and only a group's last stage needs zeroing.)
+                if k_len > 0:
+                    k_lead = k_start % K_ALIGN
             k_start, k_len = k_start - k_lead, k_len + k_lead
             cursor = group
         else:
@@ -582,15 +587,44 @@ class HopperGemm:
         non-finite value in a neighbouring group (0 x inf) stays there.  Every
         consumer thread takes a share, then all of them wait for the writes
         to reach the WGMMA's (async) proxy."""
-        zero = self.ab_dtype(0.0)
-        for stage, rows in ((sa_stage, self.tile_mnk[0]), (sb_stage, self.tile_mnk[1])):
-            for j in cutlass.range_constexpr(rows * TILE_K // self.consumer_threads):
-                i = tidx + j * self.consumer_threads
-                row, col = i % rows, i // rows
-                if (col < lo) | (col >= hi):
-                    stage[row, col] = zero
+        for stage, rows, mn_major in ((sa_stage, self.tile_mnk[0], self.a_m_major),
+                                      (sb_stage, self.tile_mnk[1], self.b_n_major)):
+            if const_expr(mn_major):
+                self._zero_columns_mn_major(stage, rows, lo, hi, tidx)
+            else:
+                zero = self.ab_dtype(0.0)
+                for j in cutlass.range_constexpr(rows * TILE_K // self.consumer_threads):
+                    i = tidx + j * self.consumer_threads
+                    row, col = i % rows, i // rows
+                    if (col < lo) | (col >= hi):
+                        stage[row, col] = zero
         cute.arch.fence_proxy("async.shared", space="cta")
         pipeline.NamedBarrier(barrier_id=ZERO_BARRIER_ID, num_threads=self.consumer_threads).arrive_and_wait()
+
+    @cute.jit
+    def _zero_columns_mn_major(self, stage, rows: int, lo, hi, tidx):
+        """The columns outside [lo, hi) of an M- (N-) major stage, 16 bytes per
+        store: a column is contiguous there, and the swizzle moves whole
+        16-byte chunks.  (The varlen-K weight gradient's operands, Xᵀ and dY,
+        are both of this kind; a scalar store per element cost it a fifth of
+        its throughput.)"""
+        vec = 128 // self.ab_dtype.width
+        lanes = rows // vec  # threads along a column
+        zero_copy = cute.make_tiled_copy_tv(
+            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.ab_dtype, num_bits_per_copy=128),
+            cute.make_layout((lanes, self.consumer_threads // lanes), stride=(1, lanes)),
+            cute.make_layout((vec, 1)),
+        )
+        thr = zero_copy.get_slice(tidx)
+        dst = thr.partition_D(stage)
+        crd = thr.partition_D(cute.make_identity_tensor((rows, TILE_K)))
+        zeros = cute.make_rmem_tensor_like(dst[None, 0, 0])
+        zeros.fill(0.0)
+        for i in cutlass.range_constexpr(cute.size(dst, mode=[1])):
+            for j in cutlass.range_constexpr(cute.size(dst, mode=[2])):
+                col = crd[0, i, j][1]
+                if (col < lo) | (col >= hi):
+                    cute.copy(zero_copy, zeros, dst[None, i, j])
 
     @cute.jit
     def _store_rows(self, sd_buffer, d, tile_start, col0, rows_left, tidx):
