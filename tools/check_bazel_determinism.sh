@@ -2,8 +2,15 @@
 # Checks that //quack:warm_cache is deterministic: built in two checkout folders (different paths
 # and folder names), each with a fresh output base and no disk or remote cache, and once more in
 # WORKSPACE mode (--config=workspace), every kernel object, sidecar and manifest is byte-identical.
-# Usage: tools/check_bazel_determinism.sh   (exit 0 when identical)
+# With --then-incremental, the incremental checks (tools/check_bazel_incremental.sh) follow on the
+# second checkout and its output base, built already: one full build fewer than the two scripts.
+# Usage: tools/check_bazel_determinism.sh [--then-incremental]   (exit 0 when identical)
 source "$(dirname "${BASH_SOURCE[0]}")/bazel_support/check_lib.sh"
+source "$(dirname "${BASH_SOURCE[0]}")/bazel_support/incremental_steps.sh"
+case "${1:-}" in
+  "" | --then-incremental) ;;
+  *) fail "unknown argument: $1 (usage: tools/check_bazel_determinism.sh [--then-incremental])" ;;
+esac
 
 a=$work/a/quack
 b=$work/b/elsewhere
@@ -30,3 +37,6 @@ objects=$(grep -c '\.o$' "$work/a.sha256" || true)
 diff -u "$work/a.sha256" "$work/b.sha256" || fail "checkout folders differ (above)"
 diff -u "$work/a.sha256" "$work/w.sha256" || fail "WORKSPACE mode differs from Bzlmod (above)"
 log "OK: $(wc -l <"$work/a.sha256") files ($objects objects) byte-identical across 2 checkouts, 3 output bases, Bzlmod and WORKSPACE"
+if [[ "${1:-}" == --then-incremental ]]; then
+  incremental_steps "$b" "$work/base-b"
+fi

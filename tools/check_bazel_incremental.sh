@@ -1,51 +1,13 @@
 #!/usr/bin/env bash
-# Checks the warm_cache actions' inputs, reading Bazel's JSON execution log:
-#   1. a no-op rebuild runs no QuackWarmCache action;
-#   2. changing one family's module (quack/<family>.py) reruns exactly that family's action;
-#   3. changing a shared module reruns every family's action;
-#   4. changing requirements_lock.txt makes a new Python environment and reruns every family.
-# It works on a copy of the checkout; the environment made for step 4 is removed afterwards.
+# Checks the warm_cache actions' inputs on a copy of the checkout (the steps are listed in
+# tools/bazel_support/incremental_steps.sh): no-op rebuild, one family's module, a shared module,
+# the lock.  tools/check_bazel_determinism.sh --then-incremental runs the same steps on its
+# second build, saving this script's first one (CI does that).
 # Usage: tools/check_bazel_incremental.sh [FAMILY]   (default: the first in KERNEL_FAMILIES)
 source "$(dirname "${BASH_SOURCE[0]}")/bazel_support/check_lib.sh"
+source "$(dirname "${BASH_SOURCE[0]}")/bazel_support/incremental_steps.sh"
 
-c=$work/checkout
-base=$work/base
-copy_checkout "$c"
-families=$(sed -n 's/^ *"\([a-z_0-9]*\)",$/\1/p' "$c/tools/kernel_families.bzl")
-n=$(wc -w <<<"$families")
-family=${1:-$(head -n1 <<<"$families")}
-shared=$(cd "$c/quack" && ls *.py | grep -v -x -F -f <(sed 's/$/.py/' <<<"$families") | grep -v -x __init__.py | head -n1)
-shared=${shared:-__init__.py}
-step=0
-
-# build_and_count EXPECTED WHAT: build, then require EXPECTED QuackWarmCache runs.
-build_and_count() {
-  local expected=$1 what=$2 result
-  step=$((step + 1))
-  log "step $step: $what (expect $expected warm_cache action(s))"
-  bzl "$c" "$base" build "${NOCACHE[@]}" --execution_log_json_file="$work/exec$step.json" \
-    //quack:warm_cache 2>&1 | grep -E "INFO: [0-9]+ process|ERROR" >&2 || true
-  result=$(count_runs "$work/exec$step.json" QuackWarmCache)
-  printf '   ran %s\n' "$result" >&2
-  [[ "${result%%:*}" == "$expected" ]] || fail "step $step ($what): expected $expected runs, got $result"
-}
-
-log "initial build of //quack:warm_cache ($n families: $(echo $families))"
-bzl "$c" "$base" build "${NOCACHE[@]}" //quack:warm_cache
-build_and_count 0 "no change"
-printf '\n# check_bazel_incremental %s\n' "$RANDOM$RANDOM" >>"$c/quack/$family.py"
-build_and_count 1 "edit quack/$family.py"
-count_runs "$work/exec$step.json" QuackWarmCache | grep -q ":warm_cache_$family$" ||
-  fail "the action that ran is not warm_cache_$family"
-printf '\n# check_bazel_incremental %s\n' "$RANDOM$RANDOM" >>"$c/quack/$shared"
-build_and_count "$n" "edit shared module quack/$shared"
-
-# The environment in use: the repository's `env` link (the interpreter shim names no path).
-env_in_use() { readlink -f "$(bzl "$c" "$base" info output_base 2>/dev/null)"/external/*quack_python/env; }
-old_env=$(env_in_use)
-printf '# check_bazel_incremental %s\n' "$RANDOM$RANDOM" >>"$c/requirements_lock.txt"
-build_and_count "$n" "edit requirements_lock.txt (a new environment is made: about a minute)"
-new_env=$(env_in_use)
-[[ -n "$new_env" && "$new_env" != "$old_env" ]] || fail "the lock change did not make a new environment"
-rm -rf "$new_env" "$new_env.lock"
-log "OK: no-op 0, family edit 1 ($family), shared edit $n, lock edit $n warm_cache actions"
+copy_checkout "$work/checkout"
+log "initial build of //quack:warm_cache"
+bzl "$work/checkout" "$work/base" build "${NOCACHE[@]}" //quack:warm_cache
+incremental_steps "$work/checkout" "$work/base" "${1:-}"
