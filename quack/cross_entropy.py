@@ -382,13 +382,11 @@ def cross_entropy(
     """
     if check_targets is None:
         check_targets = _check_env()
-    if not check_targets:
-        key = fastpath.describe(logits, target, ignore_index, _reduction_code(reduction))
-        loss = _FAST.call(key, logits, target, ignore_index)
+    described = None if check_targets else (logits, target, ignore_index, _reduction_code(reduction))
+    if described is not None:
+        loss = _FAST.call(4, *described)
         if loss is not NotImplemented:
             return loss
-    else:
-        key = None
     _validate(logits, target, ignore_index, reduction)
     compile_only = is_compile_only()
     if check_targets and not compile_only:
@@ -408,8 +406,8 @@ def cross_entropy(
         loss, _, reduced, _ = cross_entropy_fwd(logits, target, ignore_index, reduction, False, plan)
         loss = reduced if reduced is not None else _rows_out(loss, target, logits.dtype)
     stores_for_backward = plan is not None and plan.signature.backward
-    if reduced is not None and logits.numel() > 0 and not stores_for_backward:
-        _FAST.remember(key, lambda: _inference_closure(plan, logits, target))
+    if described is not None and reduced is not None and logits.numel() > 0 and not stores_for_backward:
+        _FAST.remember(described, lambda: _inference_closure(plan, logits, target))
     return differentiable_outputs(loss, stores_for_backward)
 
 
@@ -425,7 +423,7 @@ def _inference_closure(plan: Plan, logits: torch.Tensor, target: torch.Tensor):
     flat_target = target.dim() == 1 and target.is_contiguous()
     empty = torch.empty
 
-    def run(logits, target, ignore_index):
+    def run(logits, target, ignore_index, _reduction):  # the key fixed the reduction
         out = empty((), device=device, dtype=dtype)
         t = target if flat_target else target.reshape(-1).contiguous()
         counter, rows = reduction_scratch(device, m)

@@ -38,27 +38,28 @@ _TABLES: list["Closures"] = []
 
 
 @functools.lru_cache(maxsize=None)
-def _describer() -> Optional[Callable[..., Any]]:
-    """``_fastlaunch.describe`` configured with torch's DLPack table, or None
-    without the C launcher."""
+def _c_module() -> Any:
+    """``_fastlaunch`` configured with torch's DLPack table, or None without
+    the C launcher."""
     module, api, _ = launcher._c_module()
     if module is None:
         return None
     module.configure(api, (torch.Tensor, torch.nn.Parameter))
-    return module.describe
+    return module
 
 
 _is_compiling, _grad_enabled = torch.compiler.is_compiling, torch.is_grad_enabled
 
 
+def _applies() -> bool:
+    return not (_is_compiling() or compile_only_active())
+
+
 def describe(*args: Any) -> Optional[bytes]:
     """The fast path's key of an eager call on ``args`` (tensors, None, bools,
-    ints), or None where the fast path does not apply.  Runs on every call:
-    a few attribute reads, no environment lookup."""
-    if _is_compiling() or compile_only_active():
-        return None
-    describer = _describer()
-    return describer(_grad_enabled(), *args) if describer is not None else None
+    ints), or None where the fast path does not apply."""
+    module = _c_module() if _applies() else None
+    return module.describe(_grad_enabled(), *args) if module is not None else None
 
 
 class Closures:
@@ -69,17 +70,23 @@ class Closures:
         self._by_key: dict[bytes, Callable[..., Any]] = {}
         _TABLES.append(self)
 
-    def call(self, key: Optional[bytes], *args: Any) -> Any:
-        """Run the launch closure of an earlier call with this description on
-        ``args``; NotImplemented where there is none or it declined (the
-        caller then takes the full path)."""
-        run = self._by_key.get(key) if key is not None else None
-        return run(*args) if run is not None else NotImplemented
+    def call(self, described: int, *args: Any) -> Any:
+        """The kept closure's ``run(*args)`` for a call whose first
+        ``described`` arguments describe as an earlier call's did (one C call:
+        describe, look up, run; no key object in Python); NotImplemented where
+        there is none or it declined (the caller then takes the full path).
+        Runs on every call: a few attribute reads, no environment lookup."""
+        module = _c_module() if _applies() else None
+        if module is None:
+            return NotImplemented
+        return module.dispatch(self._by_key, _grad_enabled(), described, *args)
 
-    def remember(self, key: Optional[bytes], make: Callable[[], Optional[Callable[..., Any]]]) -> None:
-        """Keep ``make()``'s closure for calls described by ``key`` (nothing
-        when ``key`` is None, while calls are recorded, or when ``make``
-        returns None: no direct launcher)."""
+    def remember(self, described: tuple, make: Callable[[], Optional[Callable[..., Any]]]) -> None:
+        """Keep ``make()``'s closure for calls whose described arguments
+        describe as ``described`` does (nothing where they cannot be
+        described, while calls are recorded, or when ``make`` returns None: no
+        direct launcher).  The closure takes the arguments ``call`` is given."""
+        key = describe(*described)
         if key is None or key in self._by_key or manifest.RECORD_ENV in os.environ:
             return
         run = make()
@@ -94,6 +101,32 @@ class Closures:
 
     def clear(self) -> None:
         self._by_key.clear()
+
+
+# A slot of ``into_new_output``: the new tensor, or None (argument indices otherwise).
+OUTPUT, NONE = -1, -2
+
+
+def into_new_output(launch, model: torch.Tensor, like: int, slots: tuple[int, ...]) -> Callable[..., Any]:
+    """The launch closure of an op with one output shaped like argument
+    ``like`` (``model`` is this call's): allocate it, launch ``launch`` on
+    ``slots`` (argument indices, OUTPUT, NONE), return it.  In C
+    (``_fastlaunch.NewOutput``: torch's exchange table allocates, no Python
+    runs) where the model is contiguous, as the C allocation is; in Python
+    otherwise or where torch's table cannot allocate."""
+    if model.is_contiguous():
+        try:
+            return _c_module().NewOutput(launch, like, slots)
+        except RuntimeError:
+            pass
+    empty_like = torch.empty_like
+
+    def run(*args: Any) -> Any:
+        out = empty_like(args[like])
+        values = [out if s == OUTPUT else None if s == NONE else args[s] for s in slots]
+        return out if launch(*values) is None else NotImplemented
+
+    return run
 
 
 def direct(plan, role: str, device: torch.device, rows: frozenset[int] = frozenset()):

@@ -389,14 +389,14 @@ def gemm(A: torch.Tensor, B: torch.Tensor, out_dtype: Optional[torch.dtype] = No
     values, never an access outside A, B or D.
     """
     plain = bias is None and activation is None
-    key = fastpath.describe(A, B, cu_seqlens_m, cu_seqlens_k, _OUT_DTYPE_CODES.get(out_dtype, -1)) if plain else None
-    out = _FAST.call(key, A, B, out_dtype)
+    described = (A, B, cu_seqlens_m, cu_seqlens_k, _OUT_DTYPE_CODES.get(out_dtype, -1)) if plain else None
+    out = _FAST.call(5, *described) if plain else NotImplemented
     if out is not NotImplemented:
         return out
     check_activation(activation)
     out_dtype = _check_call("quack.gemm", A, B, out_dtype, cu_seqlens_m, cu_seqlens_k)
     _check_epilogue(bias, activation, A, B, cu_seqlens_k)
-    return _call(A, B, out_dtype, cu_seqlens_m, cu_seqlens_k, bias, activation, key)
+    return _call(A, B, out_dtype, cu_seqlens_m, cu_seqlens_k, bias, activation, described)
 
 
 def gemm_glu(A: torch.Tensor, B: torch.Tensor, activation: str = "swiglu", out_dtype: Optional[torch.dtype] = None,
@@ -431,16 +431,16 @@ def _check_call(op: str, A, B, out_dtype, cu_seqlens_m, cu_seqlens_k) -> torch.d
     return out_dtype
 
 
-def _call(A, B, out_dtype, cu_seqlens_m, cu_seqlens_k, bias, activation, key) -> torch.Tensor:
+def _call(A, B, out_dtype, cu_seqlens_m, cu_seqlens_k, bias, activation, described) -> torch.Tensor:
     """A checked call: its product, through autograd when it will be differentiated."""
     grouping = "varlen_m" if cu_seqlens_m is not None else "varlen_k" if cu_seqlens_k is not None else "dense"
     cu = cu_seqlens_m if cu_seqlens_m is not None else cu_seqlens_k
     cu = cu.contiguous() if cu is not None else None
     if not ti.will_backward(A, B, bias):
         ops = _operands(A, B, out_dtype, cu, grouping, bias, activation)
-        if key is not None and not (ops.a is A and ops.b3.data_ptr() == B.data_ptr()):
-            key = None  # a copy: the fast path would launch A and B themselves
-        return _product(ops, cu, key=key)
+        if described is not None and not (ops.a is A and ops.b3.data_ptr() == B.data_ptr()):
+            described = None  # a copy: the fast path would launch A and B themselves
+        return _product(ops, cu, described=described)
     if grouping == "varlen_k":
         raise NotImplementedError("quack.gemm: gradients of a variable-length-K GEMM are not implemented")
     # Kernels take plain tensors (DLPack refuses ones that require grad).
@@ -508,10 +508,10 @@ def _plan(ops: _Operands, cu, backward: bool = False) -> Optional[Plan]:
                                    ops.activation, ops.bias))
 
 
-def _product(ops: _Operands, cu, plan: Optional[Plan] = None, key: Optional[bytes] = None) -> torch.Tensor:
+def _product(ops: _Operands, cu, plan: Optional[Plan] = None, described: Optional[tuple] = None) -> torch.Tensor:
     """Run one product into ``ops.out`` through ``plan`` (None: this call's
-    own, planned here).  ``key``: the fast path's description of the call,
-    to leave a closure for its like.  An empty product launches nothing
+    own, planned here).  ``described``: the fast path's described arguments
+    of the call, to leave a closure for its like.  An empty product launches nothing
     (compile-only mode still warms its plan, as for any call)."""
     out = ops.out
     plan = plan if plan is not None else _plan(ops, cu)
@@ -523,8 +523,8 @@ def _product(ops: _Operands, cu, plan: Optional[Plan] = None, key: Optional[byte
         _gemm(ops.a, ops.b3, out, cu, ops.bias, ops.preact, ops.a_m_major, ops.b_n_major, ops.activation)
         return out
     _run(plan, ops.a, ops.b3, out, cu, ops.bias, ops.preact)
-    if key is not None and cu is None and not ops.a_m_major:  # the closure passes A as it comes
-        _FAST.remember(key, lambda: _dense_closure(plan, ops.b3, out))
+    if described is not None and cu is None and not ops.a_m_major:  # the closure passes A as it comes
+        _FAST.remember(described, lambda: _dense_closure(plan, ops.b3, out))
     return out
 
 
@@ -633,7 +633,7 @@ def _dense_closure(plan: Plan, b3: torch.Tensor, out: torch.Tensor):
     out_shape, out_dtype, device = tuple(out.shape), out.dtype, out.device
     empty = torch.empty
 
-    def run(A, B, _out_dtype):  # the key fixed out_dtype
+    def run(A, B, _cu_m, _cu_k, _out_dtype_code):  # the key fixed these
         out = empty(out_shape, device=device, dtype=out_dtype)
         b = B.as_strided(b_shape, b_strides)
         return out if launch(A, b, out, None, None, None, max_clusters, None) is None else NotImplemented

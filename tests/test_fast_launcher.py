@@ -466,6 +466,32 @@ def test_direct_launcher_reads_contiguous_tensors_as_rows(fastlaunch):
     assert len(recorder.firsts) == 1
 
 
+def test_new_output_allocates_like_its_model_and_launches_into_it(fastlaunch):
+    recorder = _Recorder()
+    c, buf = _direct(fastlaunch, recorder.address, rows={0, 1})
+    OUT, NONE = fastlaunch.OUTPUT, fastlaunch.NONE
+    closure = fastlaunch.NewOutput(c, 0, (0, OUT, 1))  # launch(x, new output, eps)
+    x = torch.zeros(2, 3, 8, dtype=torch.float16)
+    out = closure(x, 0.5)
+    assert out.shape == x.shape and out.dtype == x.dtype and out.is_contiguous() and out.data_ptr() != x.data_ptr()
+    words = buf.tolist()
+    assert words[0] == x.data_ptr() and words[3] == out.data_ptr() and ctypes.c_int32(words[4]).value == 6
+    # dispatch() runs it with the call's arguments, no tuple made in between.
+    closures = {fastlaunch.describe(False, x): closure}
+    second = fastlaunch.dispatch(closures, False, 1, x, 0.25)
+    assert second.shape == x.shape and buf.tolist()[3] == second.data_ptr() and len(recorder.firsts) == 2
+    with pytest.raises(ValueError):
+        fastlaunch.NewOutput(c, 0, (0, OUT))  # a slot per kernel argument
+    with pytest.raises(ValueError):
+        fastlaunch.NewOutput(c, 0, (0, OUT, -3))
+    with pytest.raises(TypeError):
+        fastlaunch.NewOutput(object(), 0, (0, OUT, 1))
+    with pytest.raises(TypeError):
+        closure(0.5, x)  # the model is not a tensor
+    with pytest.raises(TypeError):
+        fastlaunch.NewOutput(c, 0, (0, OUT, 5))(x, 0.5)  # a slot past the arguments
+
+
 CONTEXT_GETTER = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(ctypes.c_void_p))
 
 
@@ -494,6 +520,7 @@ def test_checked_launcher_declines_tensors_of_another_device(fastlaunch):
     on_one, _ = _direct(fastlaunch, recorder.address, rows=set(), device=1)
     assert on_zero(x, x, 1.0) is None
     assert on_one(x, x, 1.0) is NotImplemented
+    assert fastlaunch.NewOutput(on_one, 0, (0, fastlaunch.OUTPUT, 1))(x, 1.0) is NotImplemented
     assert len(recorder.firsts) == 1
 
 
@@ -520,22 +547,37 @@ def _set(out, value):
     return 0
 
 
-def test_closures_are_kept_per_op_and_description_and_bounded(monkeypatch):
+def test_closures_are_kept_per_op_and_description_and_bounded(fastlaunch, monkeypatch):
+    _use_module(monkeypatch, fastlaunch)
+    fastpath._c_module.cache_clear()
     table, other = fastpath.Closures(), fastpath.Closures()
-    assert table.call(None, 1) is NotImplemented
-    assert table.call(b"k", 1) is NotImplemented
-    table.remember(b"k", lambda: (lambda v: v + 1))
-    assert table.call(b"k", 1) == 2
-    assert other.call(b"k", 1) is NotImplemented  # another op's calls on the same tensors
-    table.remember(b"none", lambda: None)  # no direct launcher: nothing kept
-    assert table.call(b"none", 1) is NotImplemented
-    table.remember(None, lambda: pytest.fail("a None key builds nothing"))
+    x, y = torch.zeros(4, 8), torch.ones(4, 8)
+    assert table.call(1, x, 0.5) is NotImplemented  # nothing kept yet
+    table.remember((x,), lambda: (lambda t, eps: (t, eps)))
+    assert table.call(1, y, 0.5) == (y, 0.5)  # same description: the closure runs on the call's arguments
+    assert table.call(1, x.half(), 0.5) is NotImplemented  # another description
+    assert other.call(1, x, 0.5) is NotImplemented  # another op's calls on the same tensors
+    table.remember((x.double(),), lambda: None)  # no direct launcher: nothing kept
+    assert table.call(1, x.double(), 0.5) is NotImplemented
+    table.remember((x, 1e-6), lambda: pytest.fail("a call that cannot be described builds nothing"))
+    assert table.call(2, x, 1e-6) is NotImplemented  # a float is passed, never described
     monkeypatch.setattr(fastpath, "MAX_CLOSURES", 2)
-    table.remember(b"a", lambda: (lambda: 0))
-    table.remember(b"b", lambda: (lambda: 0))
+    table.remember((torch.zeros(1),), lambda: (lambda *a: 0))
+    table.remember((torch.zeros(2),), lambda: (lambda *a: 0))
     assert len(table) == 1  # the table started over at its bound
     fastpath.clear()  # quack.cache.clear() and quack.plan.clear() forget every op's closures
     assert len(table) == 0
+
+
+def test_dispatch_checks_its_arguments(described):
+    closures = {described.describe(False, torch.zeros(2)): lambda t, n: n + 1}
+    assert described.dispatch(closures, False, 1, torch.ones(2), 41) == 42
+    with pytest.raises(TypeError):
+        described.dispatch([], False, 1, torch.ones(2))  # not a dict
+    with pytest.raises(ValueError):
+        described.dispatch(closures, False, 3, torch.ones(2))  # describes more than it is given
+    with pytest.raises(ZeroDivisionError):  # the closure's own error comes through
+        described.dispatch({described.describe(False): lambda: 1 / 0}, False, 0)
 
 
 RUN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t)
