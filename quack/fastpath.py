@@ -51,14 +51,16 @@ def _c_module() -> Any:
 _is_compiling, _grad_enabled = torch.compiler.is_compiling, torch.is_grad_enabled
 
 
-def _applies() -> bool:
+def applies() -> bool:
+    """Whether the fast path can take a call now: not while torch.compile
+    traces (no addresses), not in compile-only mode (nothing launches)."""
     return not (_is_compiling() or compile_only_active())
 
 
 def describe(*args: Any) -> Optional[bytes]:
     """The fast path's key of an eager call on ``args`` (tensors, None, bools,
     ints), or None where the fast path does not apply."""
-    module = _c_module() if _applies() else None
+    module = _c_module() if applies() else None
     return module.describe(_grad_enabled(), *args) if module is not None else None
 
 
@@ -76,7 +78,7 @@ class Closures:
         describe, look up, run; no key object in Python); NotImplemented where
         there is none or it declined (the caller then takes the full path).
         Runs on every call: a few attribute reads, no environment lookup."""
-        module = _c_module() if _applies() else None
+        module = _c_module() if applies() else None
         if module is None:
             return NotImplemented
         return module.dispatch(self._by_key, _grad_enabled(), described, *args)

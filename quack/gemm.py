@@ -388,7 +388,8 @@ def gemm(A: torch.Tensor, B: torch.Tensor, out_dtype: Optional[torch.dtype] = No
     cu[0] = 0 and cu[G] = total_M); a malformed cu_seqlens gives wrong
     values, never an access outside A, B or D.
     """
-    plain = bias is None and activation is None
+    # (Not while torch.compile traces: _call compares addresses for the fast path.)
+    plain = bias is None and activation is None and fastpath.applies()
     described = (A, B, cu_seqlens_m, cu_seqlens_k, _OUT_DTYPE_CODES.get(out_dtype, -1)) if plain else None
     out = _FAST.call(5, *described) if plain else NotImplemented
     if out is not NotImplemented:
