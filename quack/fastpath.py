@@ -78,7 +78,9 @@ class Closures:
         describe, look up, run; no key object in Python); NotImplemented where
         there is none or it declined (the caller then takes the full path).
         Runs on every call: a few attribute reads, no environment lookup."""
-        module = _c_module() if applies() else None
+        if _is_compiling() or compile_only_active():  # applies(), inline: this runs on every call
+            return NotImplemented
+        module = _c_module()
         if module is None:
             return NotImplemented
         return module.dispatch(self._by_key, _grad_enabled(), described, *args)
@@ -103,32 +105,6 @@ class Closures:
 
     def clear(self) -> None:
         self._by_key.clear()
-
-
-# A slot of ``into_new_output``: the new tensor, or None (argument indices otherwise).
-OUTPUT, NONE = -1, -2
-
-
-def into_new_output(launch, model: torch.Tensor, like: int, slots: tuple[int, ...]) -> Callable[..., Any]:
-    """The launch closure of an op with one output shaped like argument
-    ``like`` (``model`` is this call's): allocate it, launch ``launch`` on
-    ``slots`` (argument indices, OUTPUT, NONE), return it.  In C
-    (``_fastlaunch.NewOutput``: torch's exchange table allocates, no Python
-    runs) where the model is contiguous, as the C allocation is; in Python
-    otherwise or where torch's table cannot allocate."""
-    if model.is_contiguous():
-        try:
-            return _c_module().NewOutput(launch, like, slots)
-        except RuntimeError:
-            pass
-    empty_like = torch.empty_like
-
-    def run(*args: Any) -> Any:
-        out = empty_like(args[like])
-        values = [out if s == OUTPUT else None if s == NONE else args[s] for s in slots]
-        return out if launch(*values) is None else NotImplemented
-
-    return run
 
 
 def direct(plan, role: str, device: torch.device, rows: frozenset[int] = frozenset()):

@@ -275,25 +275,25 @@ def rmsnorm(x, weight=None, eps: float = 1e-6, residual=None):
     with torch.no_grad():
         y, h, _ = rmsnorm_fwd(x, weight, residual, eps, store_rstd=store_rstd, plan=plan)
     if x.numel() > 0 and not store_rstd:
-        _FAST.remember((x, weight, residual), lambda: _inference_closure(plan, x, residual is not None))
+        _FAST.remember((x, weight, residual), lambda: _inference_closure(plan, x.device, residual is not None))
     return differentiable_outputs((y, h) if residual is not None else y, store_rstd)
 
 
-def _inference_closure(plan: Plan, x: torch.Tensor, has_residual: bool):
+def _inference_closure(plan: Plan, device: torch.device, has_residual: bool):
     """The eager fast path's launch for calls like this one (``quack/fastpath.py``):
     x, residual and both outputs go to the kernel as rows, unviewed."""
-    launch = fastpath.direct(plan, "forward", x.device, rows=frozenset((0, 2, 3, 4)))
+    launch = fastpath.direct(plan, "forward", device, rows=frozenset((0, 2, 3, 4)))
     if launch is None:
         return None
-    if not has_residual:  # launch(x, weight, None, out, None, None, eps, None)
-        out, none = fastpath.OUTPUT, fastpath.NONE
-        return fastpath.into_new_output(launch, x, 0, (0, 1, none, out, none, none, 3, none))
     empty_like = torch.empty_like
-
-    def run(x, weight, residual, eps):
-        out, h = empty_like(x), empty_like(x)
-        return (out, h) if launch(x, weight, residual, out, h, None, eps, None) is None else NotImplemented
-
+    if has_residual:
+        def run(x, weight, residual, eps):
+            out, h = empty_like(x), empty_like(x)
+            return (out, h) if launch(x, weight, residual, out, h, None, eps, None) is None else NotImplemented
+    else:
+        def run(x, weight, residual, eps):
+            out = empty_like(x)
+            return out if launch(x, weight, None, out, None, None, eps, None) is None else NotImplemented
     return run
 
 

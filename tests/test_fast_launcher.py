@@ -466,32 +466,6 @@ def test_direct_launcher_reads_contiguous_tensors_as_rows(fastlaunch):
     assert len(recorder.firsts) == 1
 
 
-def test_new_output_allocates_like_its_model_and_launches_into_it(fastlaunch):
-    recorder = _Recorder()
-    c, buf = _direct(fastlaunch, recorder.address, rows={0, 1})
-    OUT, NONE = fastlaunch.OUTPUT, fastlaunch.NONE
-    closure = fastlaunch.NewOutput(c, 0, (0, OUT, 1))  # launch(x, new output, eps)
-    x = torch.zeros(2, 3, 8, dtype=torch.float16)
-    out = closure(x, 0.5)
-    assert out.shape == x.shape and out.dtype == x.dtype and out.is_contiguous() and out.data_ptr() != x.data_ptr()
-    words = buf.tolist()
-    assert words[0] == x.data_ptr() and words[3] == out.data_ptr() and ctypes.c_int32(words[4]).value == 6
-    # dispatch() runs it with the call's arguments, no tuple made in between.
-    closures = {fastlaunch.describe(False, x): closure}
-    second = fastlaunch.dispatch(closures, False, 1, x, 0.25)
-    assert second.shape == x.shape and buf.tolist()[3] == second.data_ptr() and len(recorder.firsts) == 2
-    with pytest.raises(ValueError):
-        fastlaunch.NewOutput(c, 0, (0, OUT))  # a slot per kernel argument
-    with pytest.raises(ValueError):
-        fastlaunch.NewOutput(c, 0, (0, OUT, -3))
-    with pytest.raises(TypeError):
-        fastlaunch.NewOutput(object(), 0, (0, OUT, 1))
-    with pytest.raises(TypeError):
-        closure(0.5, x)  # the model is not a tensor
-    with pytest.raises(TypeError):
-        fastlaunch.NewOutput(c, 0, (0, OUT, 5))(x, 0.5)  # a slot past the arguments
-
-
 CONTEXT_GETTER = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(ctypes.c_void_p))
 
 
@@ -520,7 +494,6 @@ def test_checked_launcher_declines_tensors_of_another_device(fastlaunch):
     on_one, _ = _direct(fastlaunch, recorder.address, rows=set(), device=1)
     assert on_zero(x, x, 1.0) is None
     assert on_one(x, x, 1.0) is NotImplemented
-    assert fastlaunch.NewOutput(on_one, 0, (0, fastlaunch.OUTPUT, 1))(x, 1.0) is NotImplemented
     assert len(recorder.firsts) == 1
 
 

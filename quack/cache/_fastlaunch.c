@@ -38,14 +38,11 @@ typedef struct DLPackExchangeAPIHeader {
     DLPackVersion version;
     struct DLPackExchangeAPIHeader *prev_api;
 } DLPackExchangeAPIHeader;
-typedef struct DLManagedTensorVersioned DLManagedTensorVersioned; /* only passed on */
-typedef void (*set_error_fn)(void *error_ctx, const char *kind, const char *message);
 typedef struct {
     DLPackExchangeAPIHeader header;
-    int (*managed_tensor_allocator)(DLTensor *prototype, DLManagedTensorVersioned **out, void *error_ctx,
-                                    set_error_fn set_error);
+    void *managed_tensor_allocator;
     void *managed_tensor_from_py_object_no_sync;
-    int (*managed_tensor_to_py_object_no_sync)(DLManagedTensorVersioned *tensor, void **py_object);
+    void *managed_tensor_to_py_object_no_sync;
     int (*dltensor_from_py_object_no_sync)(void *py_object, DLTensor *out);
     int (*current_work_stream)(int32_t device_type, int32_t device_id, void **out_stream);
 } DLPackExchangeAPI;
@@ -452,142 +449,6 @@ static PyType_Spec launcher_spec = {
     "quack.cache._fastlaunch.Launcher", sizeof(Launcher), 0, Py_TPFLAGS_DEFAULT, launcher_slots,
 };
 
-/* ---- a launch into a new output ---------------------------------------------
- *
- * NewOutput(launcher, like, slots): a launch closure for the eager fast path
- * (quack/fastpath.py) that allocates one output shaped and typed like
- * argument ``like`` (contiguous, on its device, through torch's exchange
- * table: no Python), launches ``launcher`` on ``slots`` (an argument's index,
- * OUTPUT for the new tensor, NONE for None) and returns the output, or
- * NotImplemented where the launcher declined.  dispatch() runs it with no
- * argument tuple made. */
-
-enum { SLOT_OUTPUT = -1, SLOT_NONE = -2 };
-
-typedef struct {
-    PyObject_HEAD
-    Launcher *launcher;
-    Py_ssize_t like;
-    Py_ssize_t nslots;
-    Py_ssize_t slots[64];
-} NewOutput;
-
-static PyTypeObject *launcher_type = NULL, *new_output_type = NULL; /* set when the module is made */
-
-static void allocation_failed(void *error_ctx, const char *kind, const char *message) {
-    PyErr_Format(PyExc_RuntimeError, "quack launcher: torch could not allocate the output (%s: %s)",
-                 kind ? kind : "error", message ? message : "");
-}
-
-static PyObject *new_output_run(NewOutput *self, PyObject *const *args, Py_ssize_t nargs) {
-    Launcher *launcher = self->launcher;
-    if (self->like >= nargs || !PyObject_TypeCheck(args[self->like], (PyTypeObject *)launcher->tensor_type)) {
-        PyErr_SetString(PyExc_TypeError, "quack launcher: the output's model argument is not a tensor");
-        return NULL;
-    }
-    DLTensor model;
-    if (launcher->api->dltensor_from_py_object_no_sync((void *)args[self->like], &model) != 0) return NULL;
-    DLManagedTensorVersioned *managed = NULL;
-    if (launcher->api->managed_tensor_allocator(&model, &managed, NULL, allocation_failed) != 0) {
-        if (!PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, "quack launcher: torch could not allocate the output");
-        return NULL;
-    }
-    void *made = NULL;
-    if (launcher->api->managed_tensor_to_py_object_no_sync(managed, &made) != 0) return NULL;
-    PyObject *out = (PyObject *)made;
-    PyObject *items[64];
-    for (Py_ssize_t i = 0; i < self->nslots; i++) {
-        Py_ssize_t slot = self->slots[i];
-        if (slot >= nargs) {
-            Py_DECREF(out);
-            PyErr_Format(PyExc_TypeError, "quack launcher: slot %zd names argument %zd of %zd", i, slot, nargs);
-            return NULL;
-        }
-        items[i] = slot >= 0 ? args[slot] : slot == SLOT_OUTPUT ? out : Py_None;
-    }
-    int status = launch_items(launcher, items, self->nslots);
-    if (status == 0) return out;
-    Py_DECREF(out);
-    if (status < 0) return NULL;
-    Py_RETURN_NOTIMPLEMENTED;
-}
-
-static PyObject *new_output_call(PyObject *op, PyObject *args, PyObject *kwargs) {
-    if (kwargs != NULL && PyDict_Size(kwargs) > 0) {
-        PyErr_SetString(PyExc_TypeError, "quack launcher: arguments are positional");
-        return NULL;
-    }
-    Py_ssize_t n = PyTuple_Size(args);
-    PyObject *items[64];
-    if (n > 64) {
-        PyErr_SetString(PyExc_TypeError, "quack launcher: at most 64 arguments");
-        return NULL;
-    }
-    for (Py_ssize_t i = 0; i < n; i++) items[i] = PyTuple_GetItem(args, i); /* borrowed */
-    return new_output_run((NewOutput *)op, items, n);
-}
-
-static PyObject *new_output_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
-    PyObject *launcher, *slots;
-    Py_ssize_t like;
-    if ((kwargs != NULL && PyDict_Size(kwargs) > 0) || !PyArg_ParseTuple(args, "OnO", &launcher, &like, &slots))
-        return NULL;
-    if (!PyObject_TypeCheck(launcher, launcher_type)) {
-        PyErr_SetString(PyExc_TypeError, "NewOutput: launcher must be a Launcher");
-        return NULL;
-    }
-    Launcher *l = (Launcher *)launcher;
-    if (l->api->managed_tensor_allocator == NULL || l->api->managed_tensor_to_py_object_no_sync == NULL) {
-        PyErr_SetString(PyExc_RuntimeError, "NewOutput: torch's exchange table cannot allocate tensors");
-        return NULL;
-    }
-    Py_ssize_t n = PySequence_Size(slots);
-    if (n < 0) return NULL;
-    if (n != l->nargs || like < 0) {
-        PyErr_Format(PyExc_ValueError, "NewOutput: %zd slots for a kernel of %zd arguments, like=%zd", n, l->nargs,
-                     like);
-        return NULL;
-    }
-    NewOutput *self = (NewOutput *)PyType_GenericAlloc(type, 0);
-    if (self == NULL) return NULL;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *item = PySequence_GetItem(slots, i);
-        Py_ssize_t slot = item != NULL ? PyLong_AsSsize_t(item) : -1;
-        Py_XDECREF(item);
-        if ((slot == -1 && PyErr_Occurred()) || slot < SLOT_NONE) {
-            if (!PyErr_Occurred()) PyErr_Format(PyExc_ValueError, "NewOutput: bad slot %zd", slot);
-            Py_DECREF(self);
-            return NULL;
-        }
-        self->slots[i] = slot;
-    }
-    Py_INCREF(launcher);
-    self->launcher = l;
-    self->like = like;
-    self->nslots = n;
-    return (PyObject *)self;
-}
-
-static void new_output_dealloc(PyObject *op) {
-    PyTypeObject *type = Py_TYPE(op);
-    Py_XDECREF((PyObject *)((NewOutput *)op)->launcher);
-    freefunc tp_free = (freefunc)PyType_GetSlot(type, Py_tp_free);
-    tp_free(op);
-    Py_DECREF(type);
-}
-
-static PyType_Slot new_output_slots[] = {
-    {Py_tp_new, new_output_new},
-    {Py_tp_dealloc, new_output_dealloc},
-    {Py_tp_call, new_output_call},
-    {Py_tp_doc, "NewOutput(launcher, like, slots); closure(*args) -> the new output, or NotImplemented"},
-    {0, NULL},
-};
-
-static PyType_Spec new_output_spec = {
-    "quack.cache._fastlaunch.NewOutput", sizeof(NewOutput), 0, Py_TPFLAGS_DEFAULT, new_output_slots,
-};
-
 /* ---- a call's description: the eager fast path's key ----------------------
  *
  * describe(grad_enabled, *args) -> bytes, or None where the call is not one
@@ -725,12 +586,6 @@ static PyObject *dispatch(PyObject *module, PyObject *const *args, Py_ssize_t na
         if (PyErr_Occurred()) return NULL;
         Py_RETURN_NOTIMPLEMENTED;
     }
-    if (Py_TYPE(run) == new_output_type) {
-        Py_INCREF(run); /* another thread may drop it from the dict while it runs */
-        PyObject *result = new_output_run((NewOutput *)run, args + 3, nargs - 3);
-        Py_DECREF(run);
-        return result;
-    }
     PyObject *call_args = PyTuple_New(nargs - 3);
     if (call_args == NULL) return NULL;
     for (Py_ssize_t i = 3; i < nargs; i++) {
@@ -790,25 +645,13 @@ static PyMethodDef module_methods[] = {
 };
 
 static int module_exec(PyObject *module) {
-    /* The module keeps one reference to each type, these statics another
-     * (NewOutput checks its launcher's type; dispatch() runs NewOutputs directly). */
-    PyTypeObject **statics[] = {&launcher_type, &new_output_type};
-    PyType_Spec *specs[] = {&launcher_spec, &new_output_spec};
-    const char *names[] = {"Launcher", "NewOutput"};
-    for (int i = 0; i < 2; i++) {
-        PyObject *type = PyType_FromSpec(specs[i]);
-        if (type == NULL) return -1;
-        Py_INCREF(type);
-        if (PyModule_AddObject(module, names[i], type) < 0) {
-            Py_DECREF(type);
-            Py_DECREF(type);
-            return -1;
-        }
-        Py_XDECREF((PyObject *)*statics[i]);
-        *statics[i] = (PyTypeObject *)type;
+    PyObject *type = PyType_FromSpec(&launcher_spec);
+    if (type == NULL) return -1;
+    if (PyModule_AddObject(module, "Launcher", type) < 0) {
+        Py_DECREF(type);
+        return -1;
     }
-    return PyModule_AddIntConstant(module, "OUTPUT", SLOT_OUTPUT) < 0 ? -1
-           : PyModule_AddIntConstant(module, "NONE", SLOT_NONE);
+    return 0;
 }
 
 static PyModuleDef_Slot module_slots[] = {{Py_mod_exec, module_exec}, {0, NULL}};
