@@ -215,6 +215,37 @@ def main() -> None:
         print(f"{label:<34}" + "".join(f"{t[n]:>18.1f}" for n in names)
               + f"{100 * t['quack fused'] / t['quack gemm only']:>11.0f}%"
               + f"{100 * t['quack fused'] / max(t['torch'], t['torch.compile']):>17.0f}%")
+    print_standalone_backward()
+
+
+def standalone_backward_cases(m: int = 8192, k: int = 4096, n: int = 4096):
+    """gemm(activation) forward + backward, where no GEMM produces the
+    incoming gradient: its dZ = dY * act'(Z) is one elementwise pass over the
+    saved pre-activation (quack.mlp fuses it into the dH GEMM's epilogue
+    instead), timed beside the plain GEMM's forward + backward and the pass
+    alone."""
+    from quack.gemm_epilogue import activation_grad
+
+    a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    b = (torch.randn(k, n, device="cuda", dtype=torch.bfloat16) / k**0.5).requires_grad_()
+    dy, z = torch.randn(m, n, device="cuda", dtype=torch.bfloat16), torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+
+    def step(activation):
+        return lambda: quack.gemm(a, b, activation=activation).backward(dy)
+
+    return {"plain": step(None), "silu": step("silu"), "gelu_tanh": step("gelu_tanh"),
+            "silu pass alone": lambda: activation_grad(z, dy, "silu"),
+            "gelu_tanh pass alone": lambda: activation_grad(z, dy, "gelu_tanh")}
+
+
+def print_standalone_backward() -> None:
+    impls = standalone_backward_cases()
+    for fn in impls.values():
+        fn()
+    ms = interleaved_ms(impls)
+    print("\ngemm(activation) forward + backward at 8192x4096x4096, bf16 (ms; the pass: dZ from dY and Z)")
+    for name, t in ms.items():
+        print(f"  {name:<24}{t:8.3f}")
 
 
 if __name__ == "__main__":

@@ -6,7 +6,9 @@ Per-call table: each eager op (no grad) at a decode-sized shape beside its torch
 op, then the raw cached launch (the handle, preallocated outputs), the same
 object's entry point called from C with no packing (``FastLauncher.bare``: the
 floor), the CuTe DSL's own call path, the eager fast path's parts (its direct
-launcher, its key, an output's allocation), and ``torch.add(out=)``.  Calls are timed
+launcher, its key, an output's allocation), ``torch.add(out=)``, and softmax's
+call layer by layer (the op, its table's call, the C dispatch, the closure, the
+direct launcher) beside ``torch.softmax``.  Calls are timed
 in batches of 200 on the CPU clock only, with a synchronize between batches
 (untimed), so the GPU queue never fills and throttles the loop.  The header says
 which launcher ran (C or ctypes).
@@ -107,7 +109,37 @@ def raw_rows():
     rows.append(("  fast path key (describe x, w, None)", lambda: fastpath.describe(x, w, None)))
     rows.append(("  torch.empty_like(x)", lambda: torch.empty_like(x)))
     rows.append(("torch.add(x, x, out=y)", lambda: torch.add(x, x, out=y)))
+    rows.extend(softmax_rows())
     return rows
+
+
+def softmax_rows():
+    """quack.softmax (8, 4096) through the fast path's layers, outermost first:
+    the op; its table's call (the fast path's checks in Python); the C
+    dispatch (describe, look up, run the closure); the closure (allocate,
+    launch); the direct launcher alone."""
+    import importlib
+
+    import torch
+
+    from quack import fastpath
+
+    op = importlib.import_module("quack.softmax")
+    x = torch.randn(8, 4096, device="cuda", dtype=torch.bfloat16)
+    y = op.softmax(x)
+    table = op._FAST._by_key
+    if not table:
+        return [("softmax's fast path", None)]
+    closure, dispatch = next(iter(table.values())), fastpath._c_module().dispatch
+    launch = fastpath.direct(op.plan_for(op.call_signature(x, False)), "forward", x.device, rows=frozenset((0, 1)))
+    return [
+        ("softmax (8, 4096), part by part", lambda: op.softmax(x)),
+        ("  its table's call (_FAST.call)", lambda: op._FAST.call(1, x)),
+        ("  the C dispatch", lambda: dispatch(table, False, 1, x)),
+        ("  the closure: allocate, launch", lambda: closure(x)),
+        ("  the direct launcher alone", lambda: launch(x, y, None)),
+        ("  torch.softmax(x, -1)", lambda: torch.softmax(x, -1)),
+    ]
 
 
 def bare_us(fn_batch, calls: int) -> float:
