@@ -213,53 +213,41 @@ static void write_fields(Launcher *self, const Scalar *values) {
     }
 }
 
-/* One launch on items[0:n]: 0 launched, 1 declined (another current context
- * or device: nothing launched), -1 an error (set). */
-static int launch_items(Launcher *self, PyObject *const *items, Py_ssize_t n) {
+static PyObject *launcher_call(PyObject *op, PyObject *args, PyObject *kwargs) {
+    Launcher *self = (Launcher *)op;
+    if (kwargs != NULL && PyDict_Size(kwargs) > 0) {
+        PyErr_SetString(PyExc_TypeError, "quack launcher: arguments are positional");
+        return NULL;
+    }
+    Py_ssize_t n = PyTuple_Size(args);
     if (n != self->nargs) {
         PyErr_Format(PyExc_TypeError, "kernel takes %zd arguments, got %zd", self->nargs, n);
-        return -1;
+        return NULL;
     }
     if (self->get_context != NULL) {
         void *current = NULL;
-        if (self->get_context(&current) != 0 || current != self->context) return 1;
+        if (self->get_context(&current) != 0 || current != self->context) Py_RETURN_NOTIMPLEMENTED;
     }
+    PyObject *items[64];
+    for (Py_ssize_t i = 0; i < n; i++) items[i] = PyTuple_GetItem(args, i); /* borrowed */
     Scalar values[MAX_FIELDS];
     int read = read_values(self, items, values);
-    if (read != 0) return read;
+    if (read < 0) return NULL;
+    if (read > 0) Py_RETURN_NOTIMPLEMENTED;
     write_fields(self, values);
     if (self->run != NULL) {
         int status = self->run((void *)self->entry, self->packed, self->count);
         if (status != 0) {
             PyErr_Format(PyExc_RuntimeError, "kernel launch failed: CuTe DSL runtime error %d", status);
-            return -1;
+            return NULL;
         }
     } else {
         self->entry(self->packed);
     }
     if (self->result != NULL && *self->result != 0) {
         PyErr_Format(PyExc_RuntimeError, "kernel launch failed with CUDA error %d", *self->result);
-        return -1;
-    }
-    return 0;
-}
-
-static PyObject *launcher_call(PyObject *op, PyObject *args, PyObject *kwargs) {
-    if (kwargs != NULL && PyDict_Size(kwargs) > 0) {
-        PyErr_SetString(PyExc_TypeError, "quack launcher: arguments are positional");
         return NULL;
     }
-    Launcher *self = (Launcher *)op;
-    Py_ssize_t n = PyTuple_Size(args);
-    if (n != self->nargs) { /* (at most 64: checked when made) */
-        PyErr_Format(PyExc_TypeError, "kernel takes %zd arguments, got %zd", self->nargs, n);
-        return NULL;
-    }
-    PyObject *items[64];
-    for (Py_ssize_t i = 0; i < n; i++) items[i] = PyTuple_GetItem(args, i); /* borrowed */
-    int status = launch_items(self, items, n);
-    if (status < 0) return NULL;
-    if (status > 0) Py_RETURN_NOTIMPLEMENTED;
     Py_RETURN_NONE;
 }
 
