@@ -115,8 +115,9 @@ EPILOGUES = [("relu", False), ("gelu_tanh", True), ("silu", True)]
 
 
 def epilogue_cases(size: int = 8192):
-    """act(A @ B [+ bias]) at size^3: fused in our epilogue, our plain GEMM
-    (the 5% budget), torch.matmul then the torch activation, and
+    """act(A @ B [+ bias]) at size^3 and at the grouped forward's shapes:
+    fused in our epilogue, our plain GEMM (the 5% budget), torch's GEMM
+    (torch.matmul, torch._grouped_mm) then the torch activation, and
     torch.compile of the same."""
     from quack.gemm_epilogue import TORCH_ACTIVATIONS
 
@@ -138,6 +139,41 @@ def epilogue_cases(size: int = 8192):
             "torch": eager,
             "torch.compile": torch.compile(eager),
         }))
+    if hasattr(torch, "_grouped_mm"):
+        out.extend(_grouped_epilogue_cases(TORCH_ACTIVATIONS))
+    return out
+
+
+def _grouped_operands(lengths):
+    """The grouped forward's x (sum(lengths), 4096), w (G, 4096, 4096), w in
+    cuBLASLt's layout for torch._grouped_mm, and cu_seqlens."""
+    x = torch.randn(sum(lengths), 4096, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(len(lengths), 4096, 4096, device="cuda", dtype=torch.bfloat16) / 64
+    w_cm = w.transpose(1, 2).contiguous().transpose(1, 2)
+    cu = torch.nn.functional.pad(torch.tensor(lengths, device="cuda").cumsum(0), (1, 0)).to(torch.int32)
+    return x, w, w_cm, cu
+
+
+def _grouped_epilogue_cases(torch_activations):
+    out = []
+    for label, lengths in (("8x2048", [2048] * 8), ("64 uneven", _uneven_lengths(64, 32768))):
+        x, w, w_cm, cu = _grouped_operands(lengths)
+        bias = torch.randn(4096, device="cuda", dtype=torch.bfloat16)
+        for activation, with_bias in EPILOGUES:
+            act, v = torch_activations[activation], bias if with_bias else None
+
+            def grouped(x=x, w_cm=w_cm, cu=cu, act=act, v=v):
+                z = torch._grouped_mm(x, w_cm, offs=cu[1:])
+                return act(z + v if v is not None else z)
+
+            name = f"{activation}{' + bias' if with_bias else ''} grouped {label}"
+            out.append((name, 2 * sum(lengths) * 4096 * 4096, {
+                "quack fused": lambda x=x, w=w, cu=cu, v=v, activation=activation: quack.gemm(
+                    x, w, cu_seqlens_m=cu, bias=v, activation=activation),
+                "quack gemm only": lambda x=x, w=w, cu=cu: quack.gemm(x, w, cu_seqlens_m=cu),
+                "torch": grouped,
+                "torch.compile": torch.compile(grouped),
+            }))
     return out
 
 
@@ -164,10 +200,7 @@ def glu_cases(size: int = 8192):
     if not hasattr(torch, "_grouped_mm"):
         return
     for label, lengths in (("8x2048", [2048] * 8), ("64 uneven", _uneven_lengths(64, 32768))):
-        x = torch.randn(sum(lengths), 4096, device="cuda", dtype=torch.bfloat16)
-        w = torch.randn(len(lengths), 4096, 4096, device="cuda", dtype=torch.bfloat16) / 64
-        w_cm = w.transpose(1, 2).contiguous().transpose(1, 2)  # cuBLASLt's layout
-        cu = torch.nn.functional.pad(torch.tensor(lengths, device="cuda").cumsum(0), (1, 0)).to(torch.int32)
+        x, w, w_cm, cu = _grouped_operands(lengths)
 
         def grouped(x=x, w_cm=w_cm, cu=cu):
             return gated_ref(torch._grouped_mm(x, w_cm, offs=cu[1:]), "swiglu")
@@ -204,6 +237,11 @@ def main() -> None:
         rows.append(row)
     if args.plot:
         plot(title, rows, names, None, "TFLOP/s", args.plot)
+    print_epilogues()
+    print_standalone_backward()
+
+
+def print_epilogues() -> None:
     names = ["quack fused", "quack gemm only", "torch", "torch.compile"]
     print(f"\nFused epilogue, bf16 (TFLOP/s of the GEMM)\n{'case':<34}" + "".join(f"{n:>18}" for n in names)
           + f"{'fused/gemm':>12}{'fused/best torch':>18}")
@@ -215,7 +253,6 @@ def main() -> None:
         print(f"{label:<34}" + "".join(f"{t[n]:>18.1f}" for n in names)
               + f"{100 * t['quack fused'] / t['quack gemm only']:>11.0f}%"
               + f"{100 * t['quack fused'] / max(t['torch'], t['torch.compile']):>17.0f}%")
-    print_standalone_backward()
 
 
 def standalone_backward_cases(m: int = 8192, k: int = 4096, n: int = 4096):
@@ -228,7 +265,8 @@ def standalone_backward_cases(m: int = 8192, k: int = 4096, n: int = 4096):
 
     a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     b = (torch.randn(k, n, device="cuda", dtype=torch.bfloat16) / k**0.5).requires_grad_()
-    dy, z = torch.randn(m, n, device="cuda", dtype=torch.bfloat16), torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+    z = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)  # a pre-activation
 
     def step(activation):
         return lambda: quack.gemm(a, b, activation=activation).backward(dy)
