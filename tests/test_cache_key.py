@@ -148,9 +148,9 @@ def test_cuda_flavour_follows_the_loaded_runtime_not_installed_packages(monkeypa
         keymod.cuda_flavour.cache_clear()
         # Both flavours installed: the path of the library the DSL selects decides.
         monkeypatch.setattr(keymod, "_only_installed_flavour", lambda: None)
-        fake = "/x/site-packages/nvidia_cutlass_dsl/cu12/lib/libcute_dsl_runtime.so"
+        fake = "/x/site-packages/nvidia_cutlass_dsl/cu99/lib/libcute_dsl_runtime.so"
         monkeypatch.setattr(cutlass.runtime, "find_runtime_libraries", lambda **kw: [fake])
-        assert keymod.cuda_flavour() == "cu12"
+        assert keymod.cuda_flavour() == "cu99"
     finally:
         keymod.cuda_flavour.cache_clear()
 

@@ -193,6 +193,7 @@ def _forget_the_launcher_choice():
     cached answer behind: later tests in the process must see the real one."""
     yield
     launcher._c_module.cache_clear()
+    fastpath._c_module.cache_clear()
 
 
 def _use_module(monkeypatch, module):
@@ -533,7 +534,6 @@ def test_closures_are_kept_per_op_and_description_and_bounded(fastlaunch, monkey
     table.remember((x.double(),), lambda: None)  # no direct launcher: nothing kept
     assert table.call(1, x.double(), 0.5) is NotImplemented
     table.remember((x, 1e-6), lambda: pytest.fail("a call that cannot be described builds nothing"))
-    assert table.call(2, x, 1e-6) is NotImplemented  # a float is passed, never described
     monkeypatch.setattr(fastpath, "MAX_CLOSURES", 2)
     table.remember((torch.zeros(1),), lambda: (lambda *a: 0))
     table.remember((torch.zeros(2),), lambda: (lambda *a: 0))
@@ -547,8 +547,12 @@ def test_dispatch_checks_its_arguments(described):
     assert described.dispatch(closures, False, 1, torch.ones(2), 41) == 42
     with pytest.raises(TypeError):
         described.dispatch([], False, 1, torch.ones(2))  # not a dict
+    assert described.dispatch(closures, False, 1, torch.ones(3), 41) is NotImplemented  # no closure kept
+    assert described.dispatch(closures, False, 2, torch.ones(2), 0.5) is NotImplemented  # a float: never described
     with pytest.raises(ValueError):
         described.dispatch(closures, False, 3, torch.ones(2))  # describes more than it is given
+    with pytest.raises(ValueError):
+        described.dispatch(closures, False, -1, torch.ones(2))
     with pytest.raises(ZeroDivisionError):  # the closure's own error comes through
         described.dispatch({described.describe(False): lambda: 1 / 0}, False, 0)
 

@@ -507,15 +507,21 @@ def test_torch_compile_fullgraph_mlp(activation):
     matrix.check_case(matrix.compiled(ours), ref, theirs, inputs, ("w1", "w2"), "grad_all", matrix.random_cotangents)
 
 
-def test_varlen_k_groups_do_not_mix():
+@pytest.mark.parametrize("a_layout", ["row", "col"])
+def test_varlen_k_groups_do_not_mix(a_layout):
     # A non-finite value in one group's rows of A or B never reaches another
     # group's product (the columns a K tile shares with a neighbour are zeroed
-    # in both operands' stages).
+    # in both operands' stages).  A row-major (K-major): group 1's first K
+    # tile starts 4 columns early and holds group 0's inf; A column-major
+    # with B row-major (the weight gradient's layouts): it starts at its own
+    # first column and only its last tile, holding group 2's NaN, is zeroed.
     torch.manual_seed(0)
     cu, _ = _cu([100, 36, 24])
     inf = torch.full((64, 1), float("inf"), device="cuda", dtype=torch.bfloat16)
     nan = torch.full((1, 128), float("nan"), device="cuda", dtype=torch.bfloat16)
     a = torch.cat([_randn(64, 99), inf, _randn(64, 60)], 1)  # group 0's last column
+    if a_layout == "col":
+        a = a.t().contiguous().t()
     b = torch.cat([_randn(136, 128), nan, _randn(23, 128)])  # group 2's first row
     out = quack.gemm(a, b, cu_seqlens_k=cu)
     if not is_compile_only():

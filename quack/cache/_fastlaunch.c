@@ -574,13 +574,18 @@ static PyObject *dispatch(PyObject *module, PyObject *const *args, Py_ssize_t na
         if (PyErr_Occurred()) return NULL;
         Py_RETURN_NOTIMPLEMENTED;
     }
+    /* Held from here: an allocation below may run the garbage collector, whose
+     * finalizers may let another thread drop the closure from the dict. */
+    Py_INCREF(run);
     PyObject *call_args = PyTuple_New(nargs - 3);
-    if (call_args == NULL) return NULL;
+    if (call_args == NULL) {
+        Py_DECREF(run);
+        return NULL;
+    }
     for (Py_ssize_t i = 3; i < nargs; i++) {
         Py_INCREF(args[i]);
         PyTuple_SetItem(call_args, i - 3, args[i]);
     }
-    Py_INCREF(run); /* another thread may drop it from the dict while it runs */
     PyObject *result = PyObject_Call(run, call_args, NULL);
     Py_DECREF(run);
     Py_DECREF(call_args);
