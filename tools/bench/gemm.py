@@ -241,11 +241,12 @@ def main() -> None:
     print_standalone_backward()
 
 
-def print_epilogues() -> None:
+def print_epilogues(cases=None) -> None:
+    """The fused-epilogue table over ``cases`` (default: every epilogue and gated case)."""
     names = ["quack fused", "quack gemm only", "torch", "torch.compile"]
     print(f"\nFused epilogue, bf16 (TFLOP/s of the GEMM)\n{'case':<34}" + "".join(f"{n:>18}" for n in names)
           + f"{'fused/gemm':>12}{'fused/best torch':>18}")
-    for label, flops, impls in (*epilogue_cases(), *glu_cases()):
+    for label, flops, impls in cases if cases is not None else (*epilogue_cases(), *glu_cases()):
         for fn in impls.values():
             fn()
         ms = interleaved_ms(impls)
