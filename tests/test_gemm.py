@@ -519,9 +519,10 @@ def test_varlen_k_groups_do_not_mix(a_layout):
     cu, _ = _cu([100, 36, 24])
     inf = torch.full((64, 1), float("inf"), device="cuda", dtype=torch.bfloat16)
     nan = torch.full((1, 128), float("nan"), device="cuda", dtype=torch.bfloat16)
-    a = torch.cat([_randn(64, 99), inf, _randn(64, 60)], 1)  # group 0's last column
-    if a_layout == "col":
-        a = a.t().contiguous().t()
+    if a_layout == "row":  # group 0's last column
+        a = torch.cat([_randn(64, 99), inf, _randn(64, 60)], 1)
+    else:  # the same, made as Aᵀ and viewed back
+        a = torch.cat([_randn(99, 64), inf.t(), _randn(60, 64)]).t()
     b = torch.cat([_randn(136, 128), nan, _randn(23, 128)])  # group 2's first row
     out = quack.gemm(a, b, cu_seqlens_k=cu)
     if not is_compile_only():
