@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Checks that //quack:warm_cache is deterministic: built in two checkout folders (different paths
-# and folder names), each with a fresh output base and no disk or remote cache, and once more in
-# WORKSPACE mode (--config=workspace), every kernel object, sidecar and manifest is byte-identical.
-# With --then-incremental, the incremental checks (tools/check_bazel_incremental.sh) follow on the
-# second checkout and its output base, built already: one full build fewer than the two scripts.
+# and folder names), each with a fresh output base and no disk or remote cache, every kernel
+# object, sidecar and manifest is byte-identical; and that WORKSPACE mode (--config=workspace)
+# builds what Bzlmod builds, on the smoke selection (check_lib.sh: every family's action, each
+# warming its first case). With --then-incremental, the incremental checks
+# (tools/check_bazel_incremental.sh) follow in the second checkout's output base.
 # Usage: tools/check_bazel_determinism.sh [--then-incremental]   (exit 0 when identical)
 source "$(dirname "${BASH_SOURCE[0]}")/bazel_support/check_lib.sh"
 source "$(dirname "${BASH_SOURCE[0]}")/bazel_support/incremental_steps.sh"
@@ -21,22 +22,26 @@ log "build 1: $a (Bzlmod, fresh output base)"
 bzl "$a" "$work/base-a" build "${NOCACHE[@]}" //quack:warm_cache
 log "build 2: $b (Bzlmod, fresh output base)"
 bzl "$b" "$work/base-b" build "${NOCACHE[@]}" //quack:warm_cache
-log "build 3: $b (WORKSPACE mode, fresh output base)"
-bzl "$b" "$work/base-w" build --config=workspace "${NOCACHE[@]}" //quack:warm_cache
-
 mapfile -t dirs_a < <(warm_cache_dirs "$a" "$work/base-a")
 mapfile -t dirs_b < <(warm_cache_dirs "$b" "$work/base-b")
-mapfile -t dirs_w < <(bzl "$b" "$work/base-w" info --config=workspace bazel-bin 2>/dev/null |
-  xargs -I{} sed "s|^|{}/|" "{}/quack/warm_cache.dirs")
 tree_digest "${dirs_a[@]}" >"$work/a.sha256"
 tree_digest "${dirs_b[@]}" >"$work/b.sha256"
-tree_digest "${dirs_w[@]}" >"$work/w.sha256"
-
 objects=$(grep -c '\.o$' "$work/a.sha256" || true)
 ((objects > 0)) || fail "the warm_cache outputs hold no .o files"
 diff -u "$work/a.sha256" "$work/b.sha256" || fail "checkout folders differ (above)"
-diff -u "$work/a.sha256" "$work/w.sha256" || fail "WORKSPACE mode differs from Bzlmod (above)"
-log "OK: $(wc -l <"$work/a.sha256") files ($objects objects) byte-identical across 2 checkouts, 3 output bases, Bzlmod and WORKSPACE"
+
+log "build 3: $b ${SMOKE[*]} (Bzlmod, output base of build 2)"
+bzl "$b" "$work/base-b" build "${NOCACHE[@]}" "${SMOKE[@]}" //quack:warm_cache
+log "build 4: $b ${SMOKE[*]} (WORKSPACE mode, fresh output base)"
+bzl "$b" "$work/base-w" build --config=workspace "${NOCACHE[@]}" "${SMOKE[@]}" //quack:warm_cache
+mapfile -t dirs_s < <(warm_cache_dirs "$b" "$work/base-b" "${SMOKE[@]}")
+mapfile -t dirs_w < <(warm_cache_dirs "$b" "$work/base-w" --config=workspace "${SMOKE[@]}")
+tree_digest "${dirs_s[@]}" >"$work/s.sha256"
+tree_digest "${dirs_w[@]}" >"$work/w.sha256"
+grep -q '\.o$' "$work/s.sha256" || fail "the smoke build holds no .o files"
+diff -u "$work/s.sha256" "$work/w.sha256" || fail "WORKSPACE mode differs from Bzlmod (above)"
+log "OK: $(wc -l <"$work/a.sha256") files ($objects objects) byte-identical across 2 checkouts and output bases;" \
+  "WORKSPACE mode's $(grep -c '\.o$' "$work/w.sha256") smoke objects identical to Bzlmod's"
 if [[ "${1:-}" == --then-incremental ]]; then
   incremental_steps "$b" "$work/base-b"
 fi

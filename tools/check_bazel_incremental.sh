@@ -1,13 +1,11 @@
 #!/usr/bin/env bash
 # Checks the warm_cache actions' inputs on a copy of the checkout (the steps are listed in
 # tools/bazel_support/incremental_steps.sh): no-op rebuild, one family's module, a shared module,
-# the lock.  tools/check_bazel_determinism.sh --then-incremental runs the same steps on its
-# second build, saving this script's first one (CI does that).
+# the lock.  tools/check_bazel_determinism.sh --then-incremental runs the same steps in its
+# second output base (CI does that).
 # Usage: tools/check_bazel_incremental.sh [FAMILY]   (default: the first in KERNEL_FAMILIES)
 source "$(dirname "${BASH_SOURCE[0]}")/bazel_support/check_lib.sh"
 source "$(dirname "${BASH_SOURCE[0]}")/bazel_support/incremental_steps.sh"
 
 copy_checkout "$work/checkout"
-log "initial build of //quack:warm_cache"
-bzl "$work/checkout" "$work/base" build "${NOCACHE[@]}" //quack:warm_cache
 incremental_steps "$work/checkout" "$work/base" "${1:-}"

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # End-to-end check of the HTTP remote cache (issue #6), on a local nginx (tools/remote_cache/)
 # on a loopback port with a throwaway store. Every build runs in its own copy of the checkout
-# with a fresh output base and no disk cache (--disk_cache=), with --config=remote:
+# with a fresh output base and no disk cache (--disk_cache=), with --config=remote, on the smoke
+# selection (check_lib.sh: every family's action, each warming its matrix's first case):
 #
 #   A  cold build of //quack:warm_cache: compiles every kernel, uploads the results;
 #   B  another checkout folder: every kernel action is a remote cache hit, none runs, the objects
@@ -67,7 +68,7 @@ run_bazel() {
   local name=$1 checkout=$2 base=$3 command=$4 t0 t1 status=0
   shift 4
   t0=$(now)
-  bzl "$checkout" "$base" "$command" --disk_cache= --config="${RC_CONFIG:-remote}" --remote_cache="$url" \
+  bzl "$checkout" "$base" "$command" "${SMOKE[@]}" --disk_cache= --config="${RC_CONFIG:-remote}" --remote_cache="$url" \
     --execution_log_json_file="$work/$name.exec.json" "$@" >"$work/$name.log" 2>&1 || status=$?
   t1=$(now)
   wall=$(secs "$t0" "$t1")
@@ -109,9 +110,9 @@ PY
 objects() {
   local checkout=$1 base=$2 out=$3 family=${4:-}
   if [[ -n "$family" ]]; then
-    dirs=("$(bzl "$checkout" "$base" info bazel-bin 2>/dev/null)/quack/warm_cache_$family")
+    dirs=("$(bzl "$checkout" "$base" info "${SMOKE[@]}" bazel-bin 2>/dev/null)/quack/warm_cache_$family")
   else
-    mapfile -t dirs < <(warm_cache_dirs "$checkout" "$base")
+    mapfile -t dirs < <(warm_cache_dirs "$checkout" "$base" "${SMOKE[@]}")
   fi
   ((${#dirs[@]} > 0)) || fail "no warm_cache directories in $base"
   python3 - "${dirs[@]}" <<'PY' || fail "objects in $base do not match their manifest"
@@ -268,7 +269,7 @@ for p in problems:
     print("   problem: " + p)
 sys.exit(1 if problems else 0)
 PY
-mapfile -t dirs_a < <(warm_cache_dirs "$a" "$work/base-a")
+mapfile -t dirs_a < <(warm_cache_dirs "$a" "$work/base-a" "${SMOKE[@]}")
 for p in "$a" "$work/base-a" "$work/a" "$b" "$c" "$HOME/.cache/quack-bazel"; do
   if grep -rlF -- "$p" "${dirs_a[@]}" >"$work/grep.txt" 2>/dev/null; then
     head -3 "$work/grep.txt" >&2

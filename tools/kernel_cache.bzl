@@ -82,8 +82,8 @@ kernel_cache = rule(
         ),
         "matrix": attr.string(
             default = "ci",
-            values = ["ci", "full"],
-            doc = "Cases of the tests' correctness matrices (quack/testing/matrix.py): the CI covering array or the full product.",
+            values = ["ci", "full", "smoke"],
+            doc = "Cases of the tests' correctness matrices (quack/testing/matrix.py): the CI covering array, the full product, or the array's first case.",
         ),
         "srcs": attr.label_list(mandatory = True, allow_files = [".py"], doc = "The family's module plus the shared modules."),
         "tests": attr.label_list(allow_files = [".py"], doc = "Test files that warm the family."),
@@ -124,7 +124,8 @@ def kernel_caches(*, name, families = KERNEL_FAMILIES, shared_srcs, family_srcs,
       warm_cache: tools/warm_cache.py.
       data: other files each run reads (pytest configuration).
       arch: GPU arch, default sm_90a.
-      matrix: "ci" (the covering array of each test's correctness matrix) or "full" (every case).
+      matrix: "ci" (the covering array of each test's correctness matrix), "full" (every case) or
+        "smoke" (the array's first case, for checks of the build's wiring); may be a select().
     """
     if not families:
         fail("kernel_caches(name = %r): no kernel families" % name)

@@ -55,6 +55,12 @@ _pytest_launcher = rule(
     },
 )
 
+def _test_env(gpu):
+    env = {"QUACK_REQUIRE_PINNED_ENV": "1"}
+    if gpu:
+        env["QUACK_CACHE_STRICT"] = "1"
+    return env
+
 def quack_test(
         *,
         name,
@@ -115,10 +121,11 @@ def quack_test(
         deps = sorted({d: None for d in ["//quack"] + deps}.keys()),
         # A GPU test launches through the C launcher (without it, through ctypes).
         data = ["//:pytest_config"] + caches + (["//quack:cache/_fastlaunch.abi3.so"] if gpu else []) + data,
-        env = dict(
-            {"QUACK_REQUIRE_PINNED_ENV": "1"},
-            **({"QUACK_CACHE_STRICT": "1"} if gpu else {})
-        ),
+        # QUACK_MATRIX follows the kernel cache's selection (--config=smoke: //tools:smoke_matrix).
+        env = select({
+            "//tools:smoke_matrix": dict(_test_env(gpu), QUACK_MATRIX = "smoke"),
+            "//conditions:default": _test_env(gpu),
+        }),
         exec_properties = gpu_exec_properties if gpu else {},
         size = size,
         timeout = timeout,

@@ -12,6 +12,9 @@ Two sources of kernel calls, both on fake CUDA tensors:
   recorded with ``QUACK_CACHE_RECORD=FILE``: each call's plan is warmed,
   with no per-op code here.
 
+QUACK_MATRIX (quack/testing/matrix.py) selects the tests' cases; under
+``smoke`` only the first call of each manifest is warmed too.
+
 The result is DIR/<family>/<key>.o + .json sidecars and DIR/manifest.json
 (key hash, file, sha256, in sorted order), byte-identical from run to run.
 Bazel's //quack:warm_cache runs this once per kernel family.
@@ -48,6 +51,7 @@ def warm_manifests(paths: list[str], families: set[str]) -> int:
     from quack import plan
     from quack.cache import manifest
     from quack.compile_only import compile_only_mode
+    from quack.testing import matrix
 
     done = 0
     for path in paths:
@@ -55,6 +59,8 @@ def warm_manifests(paths: list[str], families: set[str]) -> int:
             calls = manifest.read(path, families or None)
         except manifest.ManifestError as e:
             raise app.UsageError(str(e)) from None
+        if matrix.selection() == "smoke":  # the wiring checks: one call of each manifest
+            calls = calls[:1]
         for sig in calls:
             logging.info("%s: %s", path, plan.entry_line(sig))
             with compile_only_mode():

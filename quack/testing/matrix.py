@@ -6,6 +6,10 @@ crossed with every other axis without touching a test.  Which cases run:
 
 * ``QUACK_MATRIX=full``: the whole product (the GPU run, and the
   ``//quack:warm_cache_full`` objects);
+* ``QUACK_MATRIX=smoke``: the covering array's first case, and of the GPU
+  tests only ``test_matrix`` (the pytest plugin deselects the rest): the
+  Bazel checks of the build's wiring (``--config=smoke``), which need every
+  family's action to run, not every kernel;
 * otherwise (``ci``, the default): a covering array of the same table, in
   which every value of every axis appears at least once and every pair of
   values of the ``paired`` axes appears together in some case.  CI and
@@ -38,17 +42,20 @@ FLOOR = 16 * 2.0**-23
 
 
 def selection() -> str:
-    """``full`` or ``ci`` (QUACK_MATRIX; anything but ``full`` means ``ci``)."""
-    return "full" if os.environ.get(MATRIX_ENV, "") == "full" else "ci"
+    """``full``, ``smoke`` or ``ci`` (QUACK_MATRIX; any other value means ``ci``)."""
+    value = os.environ.get(MATRIX_ENV, "")
+    return value if value in ("full", "smoke") else "ci"
 
 
 def cases(table: dict[str, Sequence], paired: Iterable[str]) -> list[dict]:
-    """The cases of ``table`` to run (``selection``): its full product, or a
-    covering array (``covering``)."""
-    if selection() == "full":
+    """The cases of ``table`` to run (``selection``): its full product, a
+    covering array (``covering``), or that array's first case."""
+    chosen = selection()
+    if chosen == "full":
         names = list(table)
         return [dict(zip(names, combo)) for combo in itertools.product(*table.values())]
-    return covering(table, paired)
+    covered = covering(table, paired)
+    return covered[:1] if chosen == "smoke" else covered
 
 
 def covering(table: dict[str, Sequence], paired: Iterable[str]) -> list[dict]:

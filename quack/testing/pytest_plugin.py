@@ -22,6 +22,9 @@ an ``AssertionError`` included (a bare ``assert`` on values is a test bug:
 it reads sentinels), fails the test.  The terminal summary
 lists, per GPU test, how many objects it exported and how many it found
 already cached, and names the tests that touched no kernel at all.
+
+Under ``QUACK_MATRIX=smoke`` (the Bazel wiring checks' ``--config=smoke``)
+only the GPU tests named ``test_matrix`` are collected.
 """
 
 from __future__ import annotations
@@ -59,6 +62,7 @@ def _gpu_available() -> bool:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    _deselect_for_smoke(config, items)
     compile_only = _compile_only(config)
     has_gpu = None
     for item in items:
@@ -69,6 +73,22 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 has_gpu = _gpu_available()
             if not has_gpu:
                 item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU (none visible)"))
+
+
+def _deselect_for_smoke(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under QUACK_MATRIX=smoke, GPU tests other than ``test_matrix`` are
+    deselected (quack/testing/matrix.py says why)."""
+    from quack.testing import matrix
+
+    if matrix.selection() != "smoke":
+        return
+    keep, drop = [], []
+    for item in items:
+        smoke = not item.get_closest_marker("gpu") or getattr(item, "originalname", "") == "test_matrix"
+        (keep if smoke else drop).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
 
 
 def _cache_counts() -> tuple[int, int]:

@@ -45,6 +45,9 @@ bzl() {
   (cd "$checkout" && tools/bazel --output_base="$base" --max_idle_secs=600 "$@")
 }
 NOCACHE=(--disk_cache= --noremote_accept_cached --noremote_upload_local_results)
+# The checks of the build's wiring build the smoke selection (.bazelrc, --config=smoke): every
+# family's action, each warming its matrix's first case. Determinism builds the whole suite.
+SMOKE=(--config=smoke)
 
 # tree_digest DIR...: one line per file: sha256 and path relative to its directory.
 tree_digest() {
@@ -55,10 +58,11 @@ tree_digest() {
   done
 }
 
-# warm_cache_dirs CHECKOUT OUTPUT_BASE: the directories of //quack:warm_cache, one a line.
+# warm_cache_dirs CHECKOUT OUTPUT_BASE [FLAGS...]: the directories of //quack:warm_cache built
+# with FLAGS, one a line.
 warm_cache_dirs() {
   local bin
-  bin=$(bzl "$1" "$2" info bazel-bin 2>/dev/null)
+  bin=$(bzl "$1" "$2" info "${@:3}" bazel-bin 2>/dev/null)
   sed "s|^|$bin/|" "$bin/quack/warm_cache.dirs"
 }
 

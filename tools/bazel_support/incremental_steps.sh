@@ -1,7 +1,7 @@
 # Sourced by tools/check_bazel_incremental.sh and tools/check_bazel_determinism.sh --then-incremental
-# (after check_lib.sh).  incremental_steps CHECKOUT BASE [FAMILY]: on a copy of the checkout whose
-# //quack:warm_cache is built in output base BASE, checks the warm_cache actions' inputs, reading
-# Bazel's JSON execution log:
+# (after check_lib.sh).  incremental_steps CHECKOUT BASE [FAMILY]: on a copy of the checkout, in
+# output base BASE, checks the warm_cache actions' inputs on the smoke selection (check_lib.sh's
+# SMOKE), reading Bazel's JSON execution log:
 #   1. a no-op rebuild runs no QuackWarmCache action;
 #   2. changing one family's module (quack/<family>.py) reruns exactly that family's action;
 #   3. changing a shared module reruns every family's action;
@@ -21,7 +21,7 @@ incremental_steps() {
     local expected=$1 what=$2 result
     step=$((step + 1))
     log "step $step: $what (expect $expected warm_cache action(s))"
-    bzl "$c" "$base" build "${NOCACHE[@]}" --execution_log_json_file="$work/exec$step.json" \
+    bzl "$c" "$base" build "${NOCACHE[@]}" "${SMOKE[@]}" --execution_log_json_file="$work/exec$step.json" \
       //quack:warm_cache 2>&1 | grep -E "INFO: [0-9]+ process|ERROR" >&2 || true
     result=$(count_runs "$work/exec$step.json" QuackWarmCache)
     printf '   ran %s\n' "$result" >&2
@@ -30,6 +30,8 @@ incremental_steps() {
   # The environment in use: the repository's `env` link (the interpreter shim names no path).
   env_in_use() { readlink -f "$(bzl "$c" "$base" info output_base 2>/dev/null)"/external/*quack_python/env; }
 
+  log "initial build: //quack:warm_cache ${SMOKE[*]}"
+  bzl "$c" "$base" build "${NOCACHE[@]}" "${SMOKE[@]}" //quack:warm_cache
   build_and_count 0 "no change"
   printf '\n# check_bazel_incremental %s\n' "$RANDOM$RANDOM" >>"$c/quack/$family.py"
   build_and_count 1 "edit quack/$family.py"
