@@ -33,9 +33,8 @@ from typing import ClassVar, Optional
 
 import torch
 
-from quack import fastpath
 from quack import torch_interop as ti
-from quack.cache import compile_options, jit_cache
+from quack.cache import compile_options, fastpath, jit_cache
 from quack.compile_only import differentiable_outputs, is_compile_only
 from quack.cute_op import cute_op
 from quack.plan import Kernel, Plan, Signature, plan_for, signature
@@ -71,7 +70,7 @@ def backward_config(n: int, vec: int) -> RowConfig:
     return RowConfig(n, vec, threads, threads_per_row, tiles)
 
 
-# This op's eager fast path (quack/fastpath.py).
+# This op's eager fast path (quack/cache/fastpath.py).
 _FAST = fastpath.Closures()
 
 
@@ -413,7 +412,7 @@ def cross_entropy(
 
 def _inference_closure(plan: Plan, logits: torch.Tensor, target: torch.Tensor):
     """The eager fast path's launch for reducing calls like this one
-    (``quack/fastpath.py``): the logits go to the kernel as rows, unviewed;
+    (``quack/cache/fastpath.py``): the logits go to the kernel as rows, unviewed;
     the 0-dim result as the kernel's one-element output (it reads only its
     address)."""
     launch = fastpath.direct(plan, "forward", logits.device, rows=frozenset((0,)))

@@ -53,9 +53,9 @@ from typing import ClassVar, NamedTuple, Optional
 
 import torch
 
-from quack import fastpath, occupancy
+from quack import occupancy
 from quack import torch_interop as ti
-from quack.cache import compile_options, jit_cache
+from quack.cache import compile_options, fastpath, jit_cache
 from quack.compile_only import differentiable_outputs, is_compile_only
 from quack.cute_op import cute_op
 from quack.plan import Kernel, Plan, Signature, plan_for, signature
@@ -90,7 +90,7 @@ def gemm_config(n: int, rows_per_group: Optional[float] = None) -> GemmConfig:
     return GemmConfig(tile_n=tile_n)
 
 
-# This op's eager fast path (quack/fastpath.py).
+# This op's eager fast path (quack/cache/fastpath.py).
 _FAST = fastpath.Closures()
 
 
@@ -624,7 +624,7 @@ _OUT_DTYPE_CODES = {None: 0, torch.bfloat16: 1, torch.float16: 2, torch.float32:
 
 def _dense_closure(plan: Plan, b3: torch.Tensor, out: torch.Tensor):
     """The eager fast path's launch for dense calls like this one
-    (``quack/fastpath.py``): the same shapes and strides, so B's view and
+    (``quack/cache/fastpath.py``): the same shapes and strides, so B's view and
     the grid are this call's."""
     kernel = plan.kernel_of("dense")
     launch = fastpath.direct(plan, "dense", out.device)

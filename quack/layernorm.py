@@ -21,9 +21,8 @@ from typing import ClassVar, Optional
 
 import torch
 
-from quack import fastpath
 from quack import torch_interop as ti
-from quack.cache import compile_options, jit_cache
+from quack.cache import compile_options, fastpath, jit_cache
 from quack.compile_only import differentiable_outputs, is_compile_only
 from quack.cute_op import cute_op
 from quack.norm_backward_plan import grid_clusters
@@ -39,7 +38,7 @@ def _fake_param(dtype: Optional[str], n: int, vec: int):
     return rowwise.fake_vector(ti.cute_dtype(dtype), n, vec) if dtype else None
 
 
-# This op's eager fast path (quack/fastpath.py).
+# This op's eager fast path (quack/cache/fastpath.py).
 _FAST = fastpath.Closures()
 
 
@@ -296,7 +295,7 @@ def layernorm(x, weight=None, bias=None, eps: float = 1e-5):
 
 
 def _inference_closure(plan: Plan, device: torch.device):
-    """The eager fast path's launch for calls like this one (``quack/fastpath.py``):
+    """The eager fast path's launch for calls like this one (``quack/cache/fastpath.py``):
     x and y go to the kernel as rows, unviewed."""
     launch = fastpath.direct(plan, "forward", device, rows=frozenset((0, 3)))
     if launch is None:

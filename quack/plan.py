@@ -172,7 +172,7 @@ def signature_class(op: str) -> type:
 def clear() -> None:
     """Forget every plan, and the fast path's closures built from them
     (tests that change the cache's knobs)."""
-    from quack import fastpath
+    from quack.cache import fastpath
 
     with _LOCK:
         _PLANS.clear()

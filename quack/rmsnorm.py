@@ -20,9 +20,8 @@ from typing import ClassVar, Optional
 
 import torch
 
-from quack import fastpath
 from quack import torch_interop as ti
-from quack.cache import compile_options, jit_cache
+from quack.cache import compile_options, fastpath, jit_cache
 from quack.compile_only import differentiable_outputs, is_compile_only
 from quack.cute_op import cute_op
 from quack.norm_backward_plan import grid_clusters
@@ -32,7 +31,7 @@ from quack.row_config import backward_config, forward_config
 MAX_N = 262144
 
 
-# This op's eager fast path (quack/fastpath.py).
+# This op's eager fast path (quack/cache/fastpath.py).
 _FAST = fastpath.Closures()
 
 
@@ -280,7 +279,7 @@ def rmsnorm(x, weight=None, eps: float = 1e-6, residual=None):
 
 
 def _inference_closure(plan: Plan, device: torch.device, has_residual: bool):
-    """The eager fast path's launch for calls like this one (``quack/fastpath.py``):
+    """The eager fast path's launch for calls like this one (``quack/cache/fastpath.py``):
     x, residual and both outputs go to the kernel as rows, unviewed."""
     launch = fastpath.direct(plan, "forward", device, rows=frozenset((0, 2, 3, 4)))
     if launch is None:

@@ -2,7 +2,7 @@
 the Python packer writes, calls the entry point with the pointer array, and
 reports a failed launch; FastLauncher takes it after its first call, and
 falls back to ctypes with a notice where it is missing.  The eager fast
-path's parts (quack/fastpath.py): what ``describe`` tells apart and refuses,
+path's parts (quack/cache/fastpath.py): what ``describe`` tells apart and refuses,
 the direct launcher's row and context fields, the closure table (the ops
 taking it: tests/test_user_calls.py, on the GPU).
 
@@ -32,7 +32,7 @@ import torch
 
 import quack.cache
 
-from quack import fastpath
+from quack.cache import fastpath
 from quack.cache import launcher
 from quack.cache.launcher import FastLauncher, layout, make_packer, parse_abi
 

@@ -445,7 +445,7 @@ static PyType_Spec launcher_spec = {
  * alignment of its address (mod 16) and, under grad mode, requires_grad; per
  * None, bool or int its value.  Two calls with equal descriptions pass the
  * same checks and take the same plan, so the first call's launch closure
- * serves the second (quack/fastpath.py).  Any other argument (a float, a
+ * serves the second (quack/cache/fastpath.py).  Any other argument (a float, a
  * tensor subclass other than the configured types) gives None. */
 
 static const DLPackExchangeAPI *described_api = NULL; /* set by configure() */

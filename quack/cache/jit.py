@@ -383,7 +383,7 @@ def clear(*, disk: bool = False) -> None:
         _ENSURED.clear()
         _WARNED.clear()
     stats.reset()
-    fastpath = sys.modules.get("quack.fastpath")  # the ops' closures hold loaded handles
+    fastpath = sys.modules.get("quack.cache.fastpath")  # the ops' closures hold loaded handles
     if fastpath is not None:
         fastpath.clear()
     if disk:

@@ -252,7 +252,7 @@ class FastLauncher:
                 raise RuntimeError(f"kernel launch failed with CUDA error {self._result.value}")
 
     def direct(self, rows: frozenset[int]) -> Any:
-        """A C launcher for the eager fast path (``quack/fastpath.py``), or
+        """A C launcher for the eager fast path (``quack/cache/fastpath.py``), or
         None before the first call or without the C launcher.
 
         It takes the arguments of the first call's pattern, with two

@@ -101,10 +101,10 @@ def raw_rows():
         dsl_fn = fast._fn
         rows.append(("  same object, CuTe DSL call path",
                      lambda: dsl_fn(x, w, None, y, None, rstd, Float32(1e-6), cu_stream)))
-    # What the eager fast path (quack/fastpath.py) spends per call, part by part.
+    # What the eager fast path (quack/cache/fastpath.py) spends per call, part by part.
     direct = kernel.direct(x.device.index, frozenset((0, 2, 3, 4)))
     rows.append(("  direct launcher (the fast path's)", lambda: direct(x, w, None, y, None, rstd, 1e-6, None)))
-    from quack import fastpath
+    from quack.cache import fastpath
 
     rows.append(("  fast path key (describe x, w, None)", lambda: fastpath.describe(x, w, None)))
     rows.append(("  torch.empty_like(x)", lambda: torch.empty_like(x)))
@@ -122,7 +122,7 @@ def softmax_rows():
 
     import torch
 
-    from quack import fastpath
+    from quack.cache import fastpath
 
     op = importlib.import_module("quack.softmax")
     x = torch.randn(8, 4096, device="cuda", dtype=torch.bfloat16)
