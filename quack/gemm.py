@@ -581,9 +581,10 @@ class _GemmFunction(torch.autograd.Function):
 def kernel_ready(grad: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Autograd's gradient as the kernel reads it: in ``dtype`` (an
     out_dtype other than the inputs'), copied where its layout (a transpose,
-    a slice, a broadcast) does not suit TMA."""
+    a slice, a broadcast, an unaligned start such as the backward of
+    ``torch.cat`` hands out) does not suit TMA."""
     grad = grad.to(dtype)
-    return grad if _tma_ready(grad) else grad.contiguous()
+    return grad if _tma_ready(grad) else grad.clone(memory_format=torch.contiguous_format)
 
 
 def input_grads(dc, a, b_kn, cu, wants_a: bool, wants_b: bool, b_dtype: torch.dtype):

@@ -468,17 +468,20 @@ def test_m_major_a_every_launch(b_layout):
         _close(quack.gemm(a, b), ref)
 
 
-@pytest.mark.parametrize("layout", ["transposed", "sliced", "broadcast"])
+@pytest.mark.parametrize("layout", ["transposed", "sliced", "broadcast", "unaligned"])
 def test_backward_takes_any_cotangent_layout(layout):
     # Autograd picks dC's layout: a transpose (q @ k.t() downstream), an
-    # unaligned slice (torch.cat), a broadcast (.sum(-1)); the kernel reads
-    # none of them as they are, so the backward copies dC once.
+    # unaligned slice (torch.cat along columns), a broadcast (.sum(-1)), a
+    # contiguous view at an unaligned start (torch.cat of flattened
+    # tensors); the kernel reads none of them as they are, so the backward
+    # copies dC once.
     torch.manual_seed(0)
     a, b = _randn(77, 64), _randn(64, 136)
     dc = {
         "transposed": lambda: _randn(136, 77).t(),
         "sliced": lambda: _randn(77, 139).narrow(1, 3, 136),
         "broadcast": lambda: _randn(77, 1).expand(77, 136),
+        "unaligned": lambda: _randn(3 + 77 * 136)[3:].view(77, 136),
     }[layout]()
     _, (da, db) = vjp(quack.gemm, (a, b), [dc])
     if not is_compile_only():
