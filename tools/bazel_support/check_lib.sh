@@ -49,6 +49,9 @@ NOCACHE=(--disk_cache= --noremote_accept_cached --noremote_upload_local_results)
 # family's action, each warming its matrix's first case. Determinism builds the whole suite.
 SMOKE=(--config=smoke)
 
+# kernel_families CHECKOUT: the names in the checkout's KERNEL_FAMILIES, one a line.
+kernel_families() { sed -n 's/^ *"\([a-z_0-9]*\)",$/\1/p' "$1/tools/kernel_families.bzl"; }
+
 # tree_digest DIR...: one line per file: sha256 and path relative to its directory.
 tree_digest() {
   local d

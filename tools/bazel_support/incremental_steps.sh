@@ -9,7 +9,7 @@
 # FAMILY defaults to the first in KERNEL_FAMILIES; the environment made for step 4 is removed.
 incremental_steps() {
   local c=$1 base=$2 families n family shared step=0 old_env new_env
-  families=$(sed -n 's/^ *"\([a-z_0-9]*\)",$/\1/p' "$c/tools/kernel_families.bzl")
+  families=$(kernel_families "$c")
   n=$(wc -w <<<"$families")
   family=${3:-$(head -n1 <<<"$families")}
   shared=$(cd "$c/quack" && ls *.py | grep -v -x -F -f <(sed 's/$/.py/' <<<"$families") |
