@@ -37,6 +37,14 @@ def test_full_selection_is_the_product(monkeypatch):
     assert matrix.cases(TABLE, PAIRED) == matrix.covering(TABLE, PAIRED)
 
 
+def test_smoke_selection_is_the_first_covering_case(monkeypatch):
+    monkeypatch.setenv(matrix.MATRIX_ENV, "smoke")
+    assert matrix.selection() == "smoke"
+    assert matrix.cases(TABLE, PAIRED) == matrix.covering(TABLE, PAIRED)[:1]
+    monkeypatch.setenv(matrix.MATRIX_ENV, "everything")  # not a level: the default
+    assert matrix.selection() == "ci"
+
+
 def _rounded(reference, dtype):
     return reference.to(dtype).to(reference.dtype)
 

@@ -75,6 +75,28 @@ def test_compile_only_runs_gpu_tests_and_fails_only_on_real_errors(run, pytester
     ])
 
 
+def test_smoke_selection_keeps_only_the_matrix_among_gpu_tests(pytester, monkeypatch):
+    pytester.makepyfile(test_inner="""
+import pytest
+
+def test_on_the_cpu():
+    pass
+
+@pytest.mark.gpu
+def test_matrix():
+    pass
+
+@pytest.mark.gpu
+def test_other():
+    pass
+""")
+    monkeypatch.setenv("QUACK_MATRIX", "smoke")
+    result = pytester.runpytest_subprocess("-p", "quack.testing.pytest_plugin", "-p", "no:cacheprovider",
+                                           "--compile-only", "-v")
+    result.assert_outcomes(passed=2, deselected=1)
+    result.stdout.fnmatch_lines(["*test_on_the_cpu PASSED*", "*test_matrix PASSED*"])
+
+
 def test_plugin_named_twice_registers_once(pytester):
     """``-p`` and ``pytest_plugins`` (and the entry point, same name) never double-register."""
     pytester.makeconftest('pytest_plugins = ["quack.testing.pytest_plugin"]')
