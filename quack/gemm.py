@@ -21,7 +21,8 @@ kernel's two A layouts), so nothing is copied; the forward saves A and B
 themselves.  A call that will be differentiated plans the backward's
 products with its own kernel, so warming it warms them too.  A call grouped
 by rows has dB[g] = A[rows of g]ᵀ @ dC[rows of g], the variable-length-K
-product.
+product.  With an activation, the backward's dZ = dC * act'(Z) comes first,
+from the saved pre-activation Z (``quack/gemm_dact.py``).
 
 The compiled object depends on the dtypes, A's and B's layouts, the
 grouping (dense, rows, K) and the tile configuration, never on M, N, K or G: those are dynamic, so one object
@@ -58,7 +59,8 @@ from quack.cache import compile_options, fastpath, jit_cache
 from quack.compile_only import differentiable_outputs, is_compile_only
 from quack.cute_op import cute_op
 from quack.plan import Kernel, Plan, Signature, plan_for, signature
-from quack.gemm_epilogue import TORCH_ACTIVATIONS, activation_grad, check_activation, out_columns, parse_epilogue
+from quack.gemm_dact import activation_grad, activation_grad_kernel
+from quack.gemm_epilogue import TORCH_ACTIVATIONS, check_activation, out_columns, parse_epilogue
 from quack.gemm_threads import cta_threads
 
 INPUT_DTYPES = (torch.bfloat16, torch.float16)
@@ -177,12 +179,15 @@ class GemmCall(Signature):
                 for role, rows in GROUP_CLASSES
             )
         # The backward's products are GEMM calls of their own, listed here so
-        # that warming this call warms them too.
+        # that warming this call warms them too; with an activation, the
+        # elementwise kernel of dZ comes before them.
         grads = tuple(
             (f"{name}:{role}", kernel)
             for name, call in self.gradient_calls()
             for role, kernel in call.kernels()
         )
+        if store_preact:
+            grads = (("activation_grad", activation_grad_kernel(self.out_dtype, self.activation)),) + grads
         return own + grads
 
     def gradient_calls(self) -> tuple[tuple[str, "GemmCall"], ...]:
@@ -410,8 +415,9 @@ def gemm_glu(A: torch.Tensor, B: torch.Tensor, activation: str = "swiglu", out_d
 
     A call that autograd will differentiate also stores the (M, 2N)
     pre-activation A @ B (memory: twice the output), from which the backward
-    recomputes the gate's activation (one elementwise pass) before its two
-    GEMMs.  Layouts, dtypes and errors as ``gemm``; N a multiple of 8.
+    recomputes the gate's activation (one elementwise kernel,
+    ``quack/gemm_dact.py``) before its two GEMMs.  Layouts, dtypes and
+    errors as ``gemm``; N a multiple of 8.
     """
     check_activation(activation, gated=True)
     out_dtype = _check_call("quack.gemm_glu", A, B, out_dtype, cu_seqlens_m, None)
@@ -570,8 +576,7 @@ class _GemmFunction(torch.autograd.Function):
         a, b_kn, cu, preact = ctx.saved_tensors
         a_dtype, b_dtype, bias_dtype = ctx.dtypes
         if ctx.activation is not None:
-            # One elementwise pass over the saved pre-activation (not fused).
-            dc = activation_grad(preact, dc, ctx.activation)
+            dc = activation_grad(dc, preact, ctx.activation)  # one elementwise kernel (quack/gemm_dact.py)
         dbias = dc.float().sum(0).to(bias_dtype) if ctx.needs_input_grad[2] else None
         dc = kernel_ready(dc, a_dtype)
         da, db = input_grads(dc, a, b_kn, cu, ctx.needs_input_grad[0], ctx.needs_input_grad[1], b_dtype)

@@ -1,9 +1,7 @@
 """The GEMM's fused epilogues on the host side, without the CuTe DSL: the
-activations the kernel applies (``quack/gemm_kernels.py`` computes them in
-fp32 before its one rounding), their torch definitions (the tests'
-reference) and their derivatives in closed form, which the backward applies
-to the saved pre-activation (no ``torch.autograd.grad`` inside a backward:
-torch.compile traces it)."""
+activations the kernels apply (``quack/gemm_kernels.py`` computes them and
+their derivatives in fp32 before its one rounding), their torch definitions
+(the tests' reference and the empty product's), and the epilogue names."""
 
 from __future__ import annotations
 
@@ -41,19 +39,12 @@ def out_columns(epilogue: Optional[str], n: int) -> int:
         return n
     return 2 * n if derivative else n // 2
 
+
 TORCH_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "relu": F.relu,
     "relu_sq": lambda z: F.relu(z).square(),
     "gelu_tanh": lambda z: F.gelu(z, approximate="tanh"),
     "silu": F.silu,
-}
-
-# d act(z) / dz times the incoming gradient g, both fp32.
-ACTIVATION_GRADS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
-    "relu": lambda g, z: g * (z > 0),
-    "relu_sq": lambda g, z: g * 2 * F.relu(z),
-    "gelu_tanh": lambda g, z: torch.ops.aten.gelu_backward(g, z, approximate="tanh"),
-    "silu": lambda g, z: torch.ops.aten.silu_backward(g, z),
 }
 
 
@@ -68,16 +59,3 @@ def gated_ref(z: torch.Tensor, activation: str) -> torch.Tensor:
     2 j, up j at 2 j + 1), in ``z``'s dtype."""
     gate, up = z.unflatten(-1, (-1, 2)).unbind(-1)
     return TORCH_ACTIVATIONS[GATED[activation]](gate) * up
-
-
-def activation_grad(preact: torch.Tensor, grad_out: torch.Tensor, activation: str) -> torch.Tensor:
-    """dL/d(preact) from dL/d(out), in fp32, rounded to ``grad_out``'s dtype:
-    one elementwise pass over the saved pre-activation.  Gated: the
-    gradients of the gate and up columns, interleaved as they are."""
-    g, z = grad_out.float(), preact.float()
-    if activation not in GATED:
-        return ACTIVATION_GRADS[activation](g, z).to(grad_out.dtype)
-    gate, up = z.unflatten(-1, (-1, 2)).unbind(-1)
-    act = GATED[activation]
-    grads = (ACTIVATION_GRADS[act](g * up, gate), g * TORCH_ACTIVATIONS[act](gate))
-    return torch.stack(grads, dim=-1).flatten(-2).to(grad_out.dtype)

@@ -467,7 +467,7 @@ class HopperGemm:
                 if const_expr(not self.gated):
                     if const_expr(self.activation is not None and not self.derivative):
                         for v in cutlass.range_constexpr(cute.size(sub_acc)):
-                            sub_acc[v] = _activate(sub_acc[v], self.activation)
+                            sub_acc[v] = activate(sub_acc[v], self.activation)
                     sub_out.store(sub_acc.load().to(self.d_dtype))
                     self._store_subtile(r2s, sub_out, r2s_sd, sd, stores % EPILOGUE_BUFFERS, tma_d, bsd, bgd, d, sub,
                                         whole_tile, rows_left, tile_start, n_tile * self.tile_mnk[1], tidx,
@@ -535,8 +535,8 @@ class HopperGemm:
         for j in cutlass.range_constexpr(cute.size(gated) // 4):
             for r in cutlass.range_constexpr(2):
                 first = 8 * j + 2 * r  # accumulator chunk 2 j, row half r: (gate, up)
-                x0 = _activate(acc[first], self.activation) * acc[first + 1]
-                x1 = _activate(acc[first + 4], self.activation) * acc[first + 5]
+                x0 = activate(acc[first], self.activation) * acc[first + 1]
+                x1 = activate(acc[first + 4], self.activation) * acc[first + 5]
                 for c in cutlass.range_constexpr(2):
                     source = lane - q + (2 * q + c) % 4
                     low = cute.arch.shuffle_sync(x0, source)
@@ -551,7 +551,7 @@ class HopperGemm:
         for i in cutlass.range_constexpr(cute.size(acc)):
             row, col = coords[i]
             if (row < rows_left) & (col0 + col < z.shape[1]):
-                acc[i] = acc[i] * _activation_grad(z[tile_start + row, col0 + col].to(cutlass.Float32),
+                acc[i] = acc[i] * activation_derivative(z[tile_start + row, col0 + col].to(cutlass.Float32),
                                                    self.activation)
 
     @cute.jit
@@ -576,8 +576,7 @@ class HopperGemm:
                 if (row < rows_left) & (col0 + col < z.shape[1]):
                     gate = z[tile_start + row, col0 + col].to(cutlass.Float32)
                     up = z[tile_start + row, col0 + col + 1].to(cutlass.Float32)
-                    grads[4 * c + 2 * r] = g * up * _activation_grad(gate, self.activation)
-                    grads[4 * c + 2 * r + 1] = g * _activate(gate, self.activation)
+                    grads[4 * c + 2 * r], grads[4 * c + 2 * r + 1] = gate_gradients(g, gate, up, self.activation)
 
     @cute.jit
     def _zero_outside_group(self, sa_stage, sb_stage, lo, hi, tidx):
@@ -658,7 +657,7 @@ _GELU_TANH_SCALE = 0.7978845608028654  # sqrt(2 / pi)
 _LOG2_E = 1.4426950408889634
 
 
-def _activate(x, name: str):
+def activate(x, name: str):
     """The activation ``name`` of one fp32 value (torch's definitions;
     gelu_tanh is GELU's tanh approximation)."""
     if const_expr(name == "relu"):
@@ -673,8 +672,8 @@ def _activate(x, name: str):
     return x * cute.arch.rcp_approx(1.0 + cute.math.exp2(x * -_LOG2_E, fastmath=True))
 
 
-def _activation_grad(x, name: str):
-    """d act(x) / dx of one fp32 value (``_activate``'s activations)."""
+def activation_derivative(x, name: str):
+    """d act(x) / dx of one fp32 value (``activate``'s activations)."""
     if const_expr(name == "relu"):
         return cutlass.Float32(cutlass.select_(x > 0.0, cutlass.Float32(1.0), cutlass.Float32(0.0)))
     if const_expr(name == "relu_sq"):
@@ -684,6 +683,12 @@ def _activation_grad(x, name: str):
         return 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * _GELU_TANH_SCALE * (1.0 + 3.0 * 0.044715 * x * x)
     sigmoid = cute.arch.rcp_approx(1.0 + cute.math.exp2(x * -_LOG2_E, fastmath=True))  # silu
     return sigmoid * (1.0 + x * (1.0 - sigmoid))
+
+
+def gate_gradients(g, gate, up, name: str):
+    """The gradients of a gated pair's (gate, up) from g, the gradient of
+    act(gate) * up (fp32 values)."""
+    return g * up * activation_derivative(gate, name), g * activate(gate, name)
 
 
 def epilogue_copy(tiled_mma, d_major, d_dtype):

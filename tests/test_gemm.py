@@ -15,6 +15,7 @@ import torch
 import quack
 from quack.compile_only import is_compile_only
 from quack.gemm import gemm_ref
+from quack.gemm_dact import activation_grad
 from quack.gemm_epilogue import ACTIVATIONS, GATED, TORCH_ACTIVATIONS, gated_ref
 from quack.testing import matrix
 from quack.testing.autograd import vjp
@@ -491,6 +492,31 @@ def test_backward_takes_any_cotangent_layout(layout):
     if not is_compile_only():
         _close(da, gemm_ref(dc.contiguous(), b.t()))
         _close(db, gemm_ref(a.t(), dc.contiguous()))
+
+
+@pytest.mark.parametrize("dy_layout", ["row", "transposed"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("activation", [*ACTIVATIONS[1:], *GATED])
+def test_activation_grad_kernel(activation, dtype, dy_layout):
+    # The backward's elementwise step dZ = dY * act'(Z) (quack/gemm_dact.py)
+    # against autograd through torch's activation in float64: 77 rows (a
+    # partial tile of 32), 136 output columns (a partial tile of vectors),
+    # the points 0, -0 and +-30, a transposed dY (copied first).
+    torch.manual_seed(0)
+    n = 136
+    z = _randn(77, 2 * n if activation in GATED else n, dtype=dtype) * 3
+    if not is_compile_only():
+        z[0, :4] = torch.tensor([0.0, -0.0, 30.0, -30.0])
+    dy = _randn(n, 77, dtype=dtype).t() if dy_layout == "transposed" else _randn(77, n, dtype=dtype)
+    dz = activation_grad(dy, z, activation)
+    if is_compile_only():
+        return
+    z64 = z.double().requires_grad_()
+    out = gated_ref(z64, activation) if activation in GATED else TORCH_ACTIVATIONS[activation](z64)
+    (expected,) = torch.autograd.grad(out, z64, dy.double())
+    assert dz.dtype == dtype and dz.shape == z.shape
+    tolerance = dict(atol=1e-2, rtol=1.6e-2) if dtype == torch.bfloat16 else dict(atol=1e-3, rtol=1e-3)
+    torch.testing.assert_close(dz.double(), expected.to(dtype).double(), **tolerance)
 
 
 def test_torch_compile_fullgraph_epilogue_and_groups():

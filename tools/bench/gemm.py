@@ -258,11 +258,12 @@ def print_epilogues(cases=None) -> None:
 
 def standalone_backward_cases(m: int = 8192, k: int = 4096, n: int = 4096):
     """gemm(activation) forward + backward, where no GEMM produces the
-    incoming gradient: its dZ = dY * act'(Z) is one elementwise pass over the
-    saved pre-activation (quack.mlp fuses it into the dH GEMM's epilogue
-    instead), timed beside the plain GEMM's forward + backward and the pass
-    alone."""
-    from quack.gemm_epilogue import activation_grad
+    incoming gradient: its dZ = dY * act'(Z) is one elementwise kernel over
+    the saved pre-activation (quack/gemm_dact.py; quack.mlp fuses it into the
+    dH GEMM's epilogue instead), timed beside the plain GEMM's forward +
+    backward, and the kernel alone beside torch's own backward kernel of the
+    activation on the same bf16 tensors."""
+    from quack.gemm_dact import activation_grad
 
     a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     b = (torch.randn(k, n, device="cuda", dtype=torch.bfloat16) / k**0.5).requires_grad_()
@@ -273,8 +274,10 @@ def standalone_backward_cases(m: int = 8192, k: int = 4096, n: int = 4096):
         return lambda: quack.gemm(a, b, activation=activation).backward(dy)
 
     return {"plain": step(None), "silu": step("silu"), "gelu_tanh": step("gelu_tanh"),
-            "silu pass alone": lambda: activation_grad(z, dy, "silu"),
-            "gelu_tanh pass alone": lambda: activation_grad(z, dy, "gelu_tanh")}
+            "silu dZ, quack": lambda: activation_grad(dy, z, "silu"),
+            "silu dZ, torch": lambda: torch.ops.aten.silu_backward(dy, z),
+            "gelu_tanh dZ, quack": lambda: activation_grad(dy, z, "gelu_tanh"),
+            "gelu_tanh dZ, torch": lambda: torch.ops.aten.gelu_backward(dy, z, approximate="tanh")}
 
 
 def print_standalone_backward() -> None:
@@ -282,7 +285,7 @@ def print_standalone_backward() -> None:
     for fn in impls.values():
         fn()
     ms = interleaved_ms(impls)
-    print("\ngemm(activation) forward + backward at 8192x4096x4096, bf16 (ms; the pass: dZ from dY and Z)")
+    print("\ngemm(activation) forward + backward at 8192x4096x4096, bf16 (ms; dZ: the elementwise step alone)")
     for name, t in ms.items():
         print(f"  {name:<24}{t:8.3f}")
 
