@@ -1,6 +1,7 @@
 """Per-device bookkeeping of kernel handles, on the CPU (the two-GPU run is issue 21's)."""
 
 import contextlib
+import inspect
 
 import pytest
 import torch
@@ -75,3 +76,49 @@ def test_launches_without_cuda_tensors_are_not_guarded(gpus):
     handle = _handle("first", log, state)
     handle(3, "x")
     assert log == [("first", 0)] and handle.device is None
+
+
+class _Checked:
+    """FastLauncher's stand-in with a ``checked`` launcher: it launches on
+    ``accepts`` only (a C launcher declines another device's tensors)."""
+
+    def __init__(self, log, accepts):
+        self.log, self.accepts = log, accepts
+        self.checked = self.launch_checked
+
+    def launch_checked(self, *args):
+        if args[0].device != self.accepts:
+            return NotImplemented
+        self.log.append(("checked", args[0].device))
+        return "launched"
+
+    def __call__(self, *args):
+        self.log.append(("guarded", args[0].device))
+
+
+@pytest.mark.parametrize("front", ["C", "Python"])
+def test_a_handle_calls_its_checked_launcher_first_after_its_first_launch(gpus, front):
+    """The first launch is guarded and leaves the launcher's ``checked`` on
+    the handle; later calls on that device take it (in C with the C front:
+    no Python frame), and a call it declines is guarded again."""
+    import quack.cache.handle as handle_module
+
+    if front == "C":
+        fastlaunch = pytest.importorskip("quack.cache._fastlaunch")
+        assert issubclass(KernelHandle, fastlaunch.Front)
+        cls = KernelHandle
+    else:  # KernelHandle's methods over the Python front, as without the C module
+        methods = {name: value for name, value in vars(KernelHandle).items() if inspect.isfunction(value)}
+        cls = type("PythonFrontHandle", (handle_module._PythonFront,), {**methods, "__slots__": KernelHandle.__slots__})
+    state, log = gpus
+    fn = _Checked(log, accepts=0)
+    handle = cls(fn, "k")
+    assert handle.checked is None
+    handle(_Tensor(0))
+    assert handle.checked == fn.checked
+    assert handle(_Tensor(0)) == "launched"
+    handle.reload = lambda: cls(_Checked(log, accepts=1), "k")
+    handle(_Tensor(1))  # declined by cuda:0's launcher: guarded, reloaded for cuda:1
+    handle.checked = None
+    handle(_Tensor(0))
+    assert log == [("guarded", 0), ("checked", 0), ("guarded", 1), ("guarded", 0)]

@@ -437,6 +437,85 @@ static PyType_Spec launcher_spec = {
     "quack.cache._fastlaunch.Launcher", sizeof(Launcher), 0, Py_TPFLAGS_DEFAULT, launcher_slots,
 };
 
+/* ---- a kernel handle's call: its checked launcher first, in C ---------------
+ *
+ * Front is KernelHandle's base (quack/cache/handle.py): calling a handle
+ * calls its ``checked`` launcher (the C Launcher of its module on its first
+ * launch's device, set once that launch is done) and, where there is none
+ * or it declines (NotImplemented: another device), the handle's
+ * ``_call_guarded``.  No Python frame on the common call. */
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *checked; /* a Launcher or NULL */
+} Front;
+
+static PyObject *guarded_name = NULL;
+
+static PyObject *front_call(PyObject *op, PyObject *args, PyObject *kwargs) {
+    Front *self = (Front *)op;
+    if (self->checked != NULL) {
+        PyObject *checked = self->checked;
+        Py_INCREF(checked); /* a concurrent reset may drop the slot's reference */
+        PyObject *result = PyObject_Call(checked, args, kwargs);
+        Py_DECREF(checked);
+        if (result != Py_NotImplemented) return result;
+        Py_DECREF(result);
+    }
+    PyObject *guarded = PyObject_GetAttr(op, guarded_name);
+    if (guarded == NULL) return NULL;
+    PyObject *result = PyObject_Call(guarded, args, kwargs);
+    Py_DECREF(guarded);
+    return result;
+}
+
+static PyObject *front_get_checked(PyObject *op, void *closure) {
+    (void)closure;
+    PyObject *checked = ((Front *)op)->checked;
+    if (checked == NULL) Py_RETURN_NONE;
+    Py_INCREF(checked);
+    return checked;
+}
+
+static int front_set_checked(PyObject *op, PyObject *value, void *closure) {
+    (void)closure;
+    Front *self = (Front *)op;
+    PyObject *old = self->checked;
+    if (value == Py_None) value = NULL;
+    Py_XINCREF(value);
+    self->checked = value;
+    Py_XDECREF(old);
+    return 0;
+}
+
+static void front_dealloc(PyObject *op) {
+    PyTypeObject *type = Py_TYPE(op);
+    Front *self = (Front *)op;
+    Py_CLEAR(self->checked);
+    freefunc free_object = (freefunc)PyType_GetSlot(type, Py_tp_free);
+    free_object(op);
+    Py_DECREF(type);
+}
+
+static PyGetSetDef front_getset[] = {
+    {"checked", front_get_checked, front_set_checked,
+     "the launcher tried first (None: every call takes _call_guarded)", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyType_Slot front_slots[] = {
+    {Py_tp_new, PyType_GenericNew},
+    {Py_tp_dealloc, front_dealloc},
+    {Py_tp_call, front_call},
+    {Py_tp_getset, front_getset},
+    {Py_tp_doc, "A kernel handle's base: calls its checked launcher, else its _call_guarded."},
+    {0, NULL},
+};
+
+static PyType_Spec front_spec = {
+    "quack.cache._fastlaunch.Front", sizeof(Front), 0, Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE, front_slots,
+};
+
 /* ---- a call's description: the eager fast path's key ----------------------
  *
  * describe(grad_enabled, *args) -> bytes, or None where the call is not one
@@ -637,14 +716,19 @@ static PyMethodDef module_methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
-static int module_exec(PyObject *module) {
-    PyObject *type = PyType_FromSpec(&launcher_spec);
+static int add_type(PyObject *module, const char *name, PyType_Spec *spec) {
+    PyObject *type = PyType_FromSpec(spec);
     if (type == NULL) return -1;
-    if (PyModule_AddObject(module, "Launcher", type) < 0) {
+    if (PyModule_AddObject(module, name, type) < 0) {
         Py_DECREF(type);
         return -1;
     }
     return 0;
+}
+
+static int module_exec(PyObject *module) {
+    if (guarded_name == NULL && (guarded_name = PyUnicode_InternFromString("_call_guarded")) == NULL) return -1;
+    return add_type(module, "Launcher", &launcher_spec) < 0 ? -1 : add_type(module, "Front", &front_spec);
 }
 
 static PyModuleDef_Slot module_slots[] = {{Py_mod_exec, module_exec}, {0, NULL}};

@@ -6,7 +6,29 @@ import contextlib
 from typing import Any, Callable
 
 
-class KernelHandle:
+class _PythonFront:
+    """``_fastlaunch.Front`` in Python, where the C module is not built: the
+    ``checked`` launcher first, ``_call_guarded`` where there is none or it
+    declines (NotImplemented)."""
+
+    __slots__ = ("checked",)
+
+    def __call__(self, *args: Any) -> Any:
+        checked = self.checked
+        if checked is not None:
+            result = checked(*args)
+            if result is not NotImplemented:
+                return result
+        return self._call_guarded(*args)
+
+
+try:
+    from ._fastlaunch import Front as _Front
+except ImportError:
+    _Front = _PythonFront
+
+
+class KernelHandle(_Front):
     """Launches one compiled kernel: ``handle(*runtime_args)``.
 
     Wraps the ``JitCompiledFunction`` from ``cute.compile`` or from
@@ -20,7 +42,9 @@ class KernelHandle:
     again, or compiled again where it could not be cached).  Each launch runs
     with its tensors' device current (a device guard, where it is not).  A
     launch on the first launch's device with its context current takes
-    FastLauncher's ``checked`` C launcher, which checks that in C.
+    FastLauncher's ``checked`` C launcher, which checks that in C: the base
+    class (``_fastlaunch.Front``) calls it with no Python frame, and
+    ``_call_guarded`` where it declines.
     """
 
     __slots__ = ("_fn", "_owner", "keyhash", "device", "reload", "_per_device")
@@ -32,13 +56,9 @@ class KernelHandle:
         self.device: int | None = None  # of the first launch
         self.reload: Callable[[], "KernelHandle"] | None = None
         self._per_device: dict[int, KernelHandle] = {}
+        self.checked = None  # set after the first launch on this handle's device
 
-    def __call__(self, *args: Any) -> Any:
-        checked = getattr(self._fn, "checked", None)  # FastLauncher's device check in C
-        if checked is not None:
-            result = checked(*args)
-            if result is not NotImplemented:
-                return result
+    def _call_guarded(self, *args: Any) -> Any:
         device = _device_of(args)
         if device is None:
             return self._fn(*args)
@@ -46,7 +66,9 @@ class KernelHandle:
             self.device = device
         if device == self.device:
             with _current(device):
-                return self._fn(*args)
+                result = self._fn(*args)
+            self.checked = getattr(self._fn, "checked", None)  # FastLauncher's, once it has one
+            return result
         other = self._per_device.get(device)
         if other is None:
             other = self._load_for(device)
