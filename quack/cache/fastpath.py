@@ -28,7 +28,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from quack.cache import launcher, manifest
-from quack.cache.mode import compile_only_active
+from quack.cache.mode import _COMPILE_ONLY_DEPTH, compile_only_active
 
 # A bound on the closures kept (each description is one shape; a process that
 # sees more distinct calls than this starts over).
@@ -49,6 +49,20 @@ def _c_module() -> Any:
 
 
 _is_compiling, _grad_enabled = torch.compiler.is_compiling, torch.is_grad_enabled
+
+
+def _dispatch(*args: Any) -> Any:
+    """``_fastlaunch.dispatch``, found on the first call (this function then
+    replaces itself: no lookup per call); NotImplemented for every call
+    without the C launcher."""
+    global _dispatch
+    module = _c_module()
+    _dispatch = module.dispatch if module is not None else _declined
+    return _dispatch(*args)
+
+
+def _declined(*args: Any) -> Any:
+    return NotImplemented
 
 
 def applies() -> bool:
@@ -77,13 +91,10 @@ class Closures:
         ``described`` arguments describe as an earlier call's did (one C call:
         describe, look up, run; no key object in Python); NotImplemented where
         there is none or it declined (the caller then takes the full path).
-        Runs on every call: a few attribute reads, no environment lookup."""
-        if _is_compiling() or compile_only_active():  # applies(), inline: this runs on every call
+        Runs on every call, so ``applies()`` is inlined: two flag reads."""
+        if _is_compiling() or _COMPILE_ONLY_DEPTH.get():
             return NotImplemented
-        module = _c_module()
-        if module is None:
-            return NotImplemented
-        return module.dispatch(self._by_key, _grad_enabled(), described, *args)
+        return _dispatch(self._by_key, _grad_enabled(), described, *args)
 
     def remember(self, described: tuple, make: Callable[[], Optional[Callable[..., Any]]]) -> None:
         """Keep ``make()``'s closure for calls whose described arguments
