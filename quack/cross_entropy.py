@@ -383,7 +383,7 @@ def cross_entropy(
         check_targets = _check_env()
     described = None if check_targets else (logits, target, ignore_index, _reduction_code(reduction))
     if described is not None:
-        loss = _FAST.call(4, *described)
+        loss = NotImplemented if fastpath.tracing() else _FAST.call(4, *described)
         if loss is not NotImplemented:
             return loss
     _validate(logits, target, ignore_index, reduction)

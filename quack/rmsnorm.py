@@ -255,7 +255,7 @@ def rmsnorm(x, weight=None, eps: float = 1e-6, residual=None):
     float32 or x's dtype.  residual: like x.  Raises TypeError for a wrong
     dtype and ValueError for a wrong device, shape or layout.
     """
-    result = _FAST.call(3, x, weight, residual, eps)
+    result = NotImplemented if fastpath.tracing() else _FAST.call(3, x, weight, residual, eps)
     if result is not NotImplemented:
         return result
     _validate(x, weight, residual)
@@ -282,18 +282,10 @@ def _inference_closure(plan: Plan, device: torch.device, has_residual: bool):
     """The eager fast path's launch for calls like this one (``quack/cache/fastpath.py``):
     x, residual and both outputs go to the kernel as rows, unviewed."""
     launch = fastpath.direct(plan, "forward", device, rows=frozenset((0, 2, 3, 4)))
-    if launch is None:
-        return None
-    empty_like = torch.empty_like
-    if has_residual:
-        def run(x, weight, residual, eps):
-            out, h = empty_like(x), empty_like(x)
-            return (out, h) if launch(x, weight, residual, out, h, None, eps, None) is None else NotImplemented
-    else:
-        def run(x, weight, residual, eps):
-            out = empty_like(x)
-            return out if launch(x, weight, None, out, None, None, eps, None) is None else NotImplemented
-    return run
+    out, none = fastpath.output, fastpath.NONE
+    if has_residual:  # launch(x, weight, residual, y, h, None, eps, None) -> (y, h)
+        return fastpath.like_closure(launch, 2, (0, 1, 2, out(0), out(1), none, 3, none))
+    return fastpath.like_closure(launch, 1, (0, 1, none, out(0), none, none, 3, none))  # -> y
 
 
 def rmsnorm_ref(x, weight=None, eps: float = 1e-6, residual=None):

@@ -557,6 +557,75 @@ def test_dispatch_checks_its_arguments(described):
         described.dispatch({described.describe(False): lambda: 1 / 0}, False, 0)
 
 
+def test_dispatcher_reads_the_flags_and_dispatches_in_c(described):
+    """``Closures.call`` after its first call: compile-only depth, grad mode,
+    description, lookup and closure in one C call."""
+    state = {"depth": 0, "grad": False}
+    leaf = torch.ones(2, requires_grad=True)
+    closures = {described.describe(False, leaf): lambda t, n: n + 1,
+                described.describe(True, leaf): lambda t, n: n - 1}
+    call = described.Dispatcher(closures, lambda: state["depth"], lambda: state["grad"])
+    assert call(1, leaf, 41) == 42
+    state["grad"] = True
+    assert call(1, leaf, 41) == 40  # described under grad mode: requires_grad counts
+    state["depth"] = 1
+    assert call(1, torch.ones(2), 41) is NotImplemented  # compile-only mode: nothing launches
+    state["depth"] = 0
+    assert call(1, torch.ones(3), 41) is NotImplemented  # no closure kept
+    with pytest.raises(ValueError):
+        call(3, torch.ones(2))  # describes more than it is given
+    with pytest.raises(TypeError):
+        call("1", torch.ones(2))
+    with pytest.raises(TypeError):
+        described.Dispatcher([], lambda: 0, lambda: False)  # not a dict
+
+
+def test_like_launch_allocates_like_the_first_argument_and_fills_the_template(described):
+    """The row-wise ops' closure in C: outputs ``empty_like`` the first
+    argument, the launcher's arguments from the template, the launcher's
+    NotImplemented passed on."""
+    launched = []
+
+    def launch(*args):
+        launched.append(args)
+        return answer["value"]
+
+    answer = {"value": None}
+    x, w = torch.zeros(4, 8, dtype=torch.float16), torch.ones(8)
+    none, out = -1, lambda j: -2 - j
+    one = described.LikeLaunch(launch, torch.empty_like, 1, (0, 1, none, out(0), 2))
+    y = one(x, w, 0.5)
+    assert y.shape == x.shape and y.dtype == x.dtype and y.data_ptr() != x.data_ptr()
+    assert launched[-1][:3] == (x, w, None) and launched[-1][3] is y and launched[-1][4] == 0.5
+    two = described.LikeLaunch(launch, torch.empty_like, 2, (out(1), 0, out(0)))
+    first, second = two(x)
+    assert launched[-1] == (second, x, first) and first.data_ptr() != second.data_ptr()
+    answer["value"] = NotImplemented
+    assert one(x, w, 0.5) is NotImplemented  # declined (another device current): the full path runs
+    with pytest.raises(IndexError):
+        one(x, w)  # the template names argument 2
+    with pytest.raises(ValueError):
+        described.LikeLaunch(launch, torch.empty_like, 1, (out(1),))  # names an output it does not allocate
+    with pytest.raises(ValueError):
+        described.LikeLaunch(launch, torch.empty_like, 0, (0,))
+    closures = {described.describe(False, x): one}
+    answer["value"] = None
+    assert described.dispatch(closures, False, 1, x, w, 0.25).shape == x.shape  # dispatched in C
+    assert launched[-1][4] == 0.25
+
+
+def test_closures_decline_every_call_without_the_c_module(monkeypatch):
+    _use_module(monkeypatch, None)
+    fastpath._c_module.cache_clear()
+    table = fastpath.Closures()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the ctypes notice
+        assert table.call(1, torch.zeros(2)) is NotImplemented
+    assert table.call(1, torch.zeros(2)) is NotImplemented
+    assert fastpath.like_closure(lambda *a: None, 1, (0,)) is None
+    fastpath._c_module.cache_clear()
+
+
 RUN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t)
 
 

@@ -631,6 +631,180 @@ static PyObject *describe(PyObject *module, PyObject *const *args, Py_ssize_t na
  * args[:described] as describe() does, looks the description up in the dict
  * ``closures`` and returns closure(*args); NotImplemented where the call
  * cannot be described or no closure is kept for it. */
+/* ---- launch closures in C ---------------------------------------------------
+ *
+ * LikeLaunch(launcher, allocate, outputs, template): the launch closure of a
+ * row-wise op whose outputs are all like its first argument: it allocates
+ * ``outputs`` of them (``allocate(first)``, torch.empty_like) and calls ``launcher`` with, per template
+ * entry, the call's argument i (i >= 0), None (-1) or output j (-2 - j);
+ * returns the output (or the tuple of them), or NotImplemented where the
+ * launcher declined.  The same as a Python closure, with no Python frame. */
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *launcher, *allocate;
+    Py_ssize_t outputs;
+    Py_ssize_t count; /* template entries */
+    Py_ssize_t template[16];
+} LikeLaunch;
+
+static PyObject *like_launch_type = NULL;
+
+static PyObject *like_launch_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
+    PyObject *launcher, *allocate, *template;
+    Py_ssize_t outputs;
+    if (kwargs != NULL && PyDict_Size(kwargs) > 0) {
+        PyErr_SetString(PyExc_TypeError, "LikeLaunch(launcher, allocate, outputs, template): positional arguments");
+        return NULL;
+    }
+    if (!PyArg_ParseTuple(args, "OOnO", &launcher, &allocate, &outputs, &template)) return NULL;
+    Py_ssize_t count = PyTuple_Check(template) ? PyTuple_Size(template) : -1;
+    if (count < 0 || count > 16 || outputs < 1 || outputs > 4 || !PyCallable_Check(launcher) ||
+        !PyCallable_Check(allocate)) {
+        PyErr_SetString(PyExc_ValueError,
+                        "LikeLaunch: a callable launcher and allocator, 1 to 4 outputs, a tuple of at most 16 entries");
+        return NULL;
+    }
+    LikeLaunch *self = (LikeLaunch *)((allocfunc)PyType_GetSlot(type, Py_tp_alloc))(type, 0);
+    if (self == NULL) return NULL;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        Py_ssize_t entry = PyLong_AsSsize_t(PyTuple_GetItem(template, i));
+        if ((entry == -1 && PyErr_Occurred()) || entry < -2 - (outputs - 1)) {
+            if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "LikeLaunch: a template entry names no output");
+            Py_DECREF(self);
+            return NULL;
+        }
+        self->template[i] = entry;
+    }
+    Py_INCREF(launcher);
+    Py_INCREF(allocate);
+    self->launcher = launcher;
+    self->allocate = allocate;
+    self->outputs = outputs;
+    self->count = count;
+    return (PyObject *)self;
+}
+
+static void like_launch_dealloc(PyObject *op) {
+    PyTypeObject *type = Py_TYPE(op);
+    Py_CLEAR(((LikeLaunch *)op)->launcher);
+    Py_CLEAR(((LikeLaunch *)op)->allocate);
+    ((freefunc)PyType_GetSlot(type, Py_tp_free))(op);
+    Py_DECREF(type);
+}
+
+/* The closure on a call's arguments (n of them, the first a tensor). */
+static PyObject *like_launch_run(LikeLaunch *self, PyObject *const *args, Py_ssize_t n) {
+    PyObject *outs[4] = {NULL, NULL, NULL, NULL};
+    PyObject *result = NULL, *call_args = NULL;
+    if (n < 1) {
+        PyErr_SetString(PyExc_TypeError, "LikeLaunch: the call has no argument to allocate like");
+        return NULL;
+    }
+    for (Py_ssize_t j = 0; j < self->outputs; j++) {
+        if ((outs[j] = PyObject_CallFunctionObjArgs(self->allocate, args[0], NULL)) == NULL) goto done;
+    }
+    if ((call_args = PyTuple_New(self->count)) == NULL) goto done;
+    for (Py_ssize_t i = 0; i < self->count; i++) {
+        Py_ssize_t entry = self->template[i];
+        PyObject *item = entry >= 0 ? (entry < n ? args[entry] : NULL) : entry == -1 ? Py_None : outs[-2 - entry];
+        if (item == NULL) {
+            PyErr_SetString(PyExc_IndexError, "LikeLaunch: the template names an argument the call lacks");
+            goto done;
+        }
+        Py_INCREF(item);
+        PyTuple_SetItem(call_args, i, item);
+    }
+    PyObject *launched = PyObject_Call(self->launcher, call_args, NULL);
+    if (launched == NULL) goto done;
+    if (launched != Py_None) { /* declined: NotImplemented */
+        result = launched;
+        goto done;
+    }
+    Py_DECREF(launched);
+    if (self->outputs == 1) {
+        result = outs[0];
+        outs[0] = NULL;
+    } else {
+        result = PyTuple_New(self->outputs);
+        for (Py_ssize_t j = 0; result != NULL && j < self->outputs; j++) {
+            PyTuple_SetItem(result, j, outs[j]);
+            outs[j] = NULL;
+        }
+    }
+done:
+    Py_XDECREF(call_args);
+    for (Py_ssize_t j = 0; j < 4; j++) Py_XDECREF(outs[j]);
+    return result;
+}
+
+static PyObject *like_launch_call(PyObject *op, PyObject *args, PyObject *kwargs) {
+    if (kwargs != NULL && PyDict_Size(kwargs) > 0) {
+        PyErr_SetString(PyExc_TypeError, "LikeLaunch: positional arguments");
+        return NULL;
+    }
+    Py_ssize_t n = PyTuple_Size(args);
+    PyObject *items[16];
+    if (n > 16) {
+        PyErr_SetString(PyExc_TypeError, "LikeLaunch: at most 16 arguments");
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) items[i] = PyTuple_GetItem(args, i);
+    return like_launch_run((LikeLaunch *)op, items, n);
+}
+
+static PyType_Slot like_launch_slots[] = {
+    {Py_tp_new, like_launch_new},
+    {Py_tp_dealloc, like_launch_dealloc},
+    {Py_tp_call, like_launch_call},
+    {Py_tp_doc, "LikeLaunch(launcher, allocate, outputs, template): a row-wise op's launch closure in C"},
+    {0, NULL},
+};
+
+static PyType_Spec like_launch_spec = {
+    "quack.cache._fastlaunch.LikeLaunch", sizeof(LikeLaunch), 0, Py_TPFLAGS_DEFAULT, like_launch_slots,
+};
+
+/* ---- the dispatch: describe, look up, run ------------------------------------ */
+
+/* The kept closure's result for args[0:n] (the first ``described`` of them
+ * describe the call), or NotImplemented where there is none. */
+static PyObject *dispatch_in(PyObject *closures, int grad_enabled, Py_ssize_t described, PyObject *const *args,
+                             Py_ssize_t n) {
+    char out[DESCRIPTION_MAX];
+    Py_ssize_t used = 0;
+    if (!describe_into(grad_enabled, args, described, out, &used)) Py_RETURN_NOTIMPLEMENTED;
+    PyObject *key = PyBytes_FromStringAndSize(out, used);
+    if (key == NULL) return NULL;
+    PyObject *run = PyDict_GetItemWithError(closures, key); /* borrowed */
+    Py_DECREF(key);
+    if (run == NULL) {
+        if (PyErr_Occurred()) return NULL;
+        Py_RETURN_NOTIMPLEMENTED;
+    }
+    /* Held from here: an allocation below may run the garbage collector, whose
+     * finalizers may let another thread drop the closure from the dict. */
+    Py_INCREF(run);
+    PyObject *result;
+    if (Py_TYPE(run) == (PyTypeObject *)like_launch_type) {
+        result = like_launch_run((LikeLaunch *)run, args, n);
+    } else {
+        PyObject *call_args = PyTuple_New(n);
+        if (call_args == NULL) {
+            Py_DECREF(run);
+            return NULL;
+        }
+        for (Py_ssize_t i = 0; i < n; i++) {
+            Py_INCREF(args[i]);
+            PyTuple_SetItem(call_args, i, args[i]);
+        }
+        result = PyObject_Call(run, call_args, NULL);
+        Py_DECREF(call_args);
+    }
+    Py_DECREF(run);
+    return result;
+}
+
 static PyObject *dispatch(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     if (!configured()) return NULL;
     if (nargs < 3 || !PyDict_Check(args[0]) || !PyLong_Check(args[2])) {
@@ -642,34 +816,89 @@ static PyObject *dispatch(PyObject *module, PyObject *const *args, Py_ssize_t na
         if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "dispatch: described counts more arguments than given");
         return NULL;
     }
-    char out[DESCRIPTION_MAX];
-    Py_ssize_t used = 0;
-    if (!describe_into(args[1] == Py_True, args + 3, described, out, &used)) Py_RETURN_NOTIMPLEMENTED;
-    PyObject *key = PyBytes_FromStringAndSize(out, used);
-    if (key == NULL) return NULL;
-    PyObject *run = PyDict_GetItemWithError(args[0], key); /* borrowed */
-    Py_DECREF(key);
-    if (run == NULL) {
-        if (PyErr_Occurred()) return NULL;
-        Py_RETURN_NOTIMPLEMENTED;
-    }
-    /* Held from here: an allocation below may run the garbage collector, whose
-     * finalizers may let another thread drop the closure from the dict. */
-    Py_INCREF(run);
-    PyObject *call_args = PyTuple_New(nargs - 3);
-    if (call_args == NULL) {
-        Py_DECREF(run);
+    return dispatch_in(args[0], args[1] == Py_True, described, args + 3, nargs - 3);
+}
+
+/* Dispatcher(closures, compile_only_depth, grad_enabled): one op's
+ * ``dispatch`` with the flags read in C: ``dispatcher(described, *args)``
+ * is NotImplemented while ``compile_only_depth()`` is non-zero, else
+ * dispatch(closures, grad_enabled(), described, *args). */
+typedef struct {
+    PyObject_HEAD
+    PyObject *closures, *depth, *grad_enabled;
+} Dispatcher;
+
+static PyObject *dispatcher_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
+    PyObject *closures, *depth, *grad_enabled;
+    if (kwargs != NULL && PyDict_Size(kwargs) > 0) {
+        PyErr_SetString(PyExc_TypeError, "Dispatcher(closures, compile_only_depth, grad_enabled): positional arguments");
         return NULL;
     }
-    for (Py_ssize_t i = 3; i < nargs; i++) {
-        Py_INCREF(args[i]);
-        PyTuple_SetItem(call_args, i - 3, args[i]);
-    }
-    PyObject *result = PyObject_Call(run, call_args, NULL);
-    Py_DECREF(run);
-    Py_DECREF(call_args);
-    return result;
+    if (!PyArg_ParseTuple(args, "O!OO", &PyDict_Type, &closures, &depth, &grad_enabled)) return NULL;
+    if (!configured()) return NULL;
+    Dispatcher *self = (Dispatcher *)((allocfunc)PyType_GetSlot(type, Py_tp_alloc))(type, 0);
+    if (self == NULL) return NULL;
+    Py_INCREF(closures);
+    Py_INCREF(depth);
+    Py_INCREF(grad_enabled);
+    self->closures = closures;
+    self->depth = depth;
+    self->grad_enabled = grad_enabled;
+    return (PyObject *)self;
 }
+
+static void dispatcher_dealloc(PyObject *op) {
+    PyTypeObject *type = Py_TYPE(op);
+    Dispatcher *self = (Dispatcher *)op;
+    Py_CLEAR(self->closures);
+    Py_CLEAR(self->depth);
+    Py_CLEAR(self->grad_enabled);
+    ((freefunc)PyType_GetSlot(type, Py_tp_free))(op);
+    Py_DECREF(type);
+}
+
+/* A flag from a callable: 1, 0, or -1 with an exception. */
+static int flag(PyObject *callable) {
+    PyObject *value = PyObject_CallNoArgs(callable);
+    if (value == NULL) return -1;
+    int truth = PyObject_IsTrue(value);
+    Py_DECREF(value);
+    return truth;
+}
+
+static PyObject *dispatcher_call(PyObject *op, PyObject *args, PyObject *kwargs) {
+    Dispatcher *self = (Dispatcher *)op;
+    Py_ssize_t n = PyTuple_Size(args);
+    if ((kwargs != NULL && PyDict_Size(kwargs) > 0) || n < 1 || n > 17 || !PyLong_Check(PyTuple_GetItem(args, 0))) {
+        PyErr_SetString(PyExc_TypeError, "dispatcher(described: int, *args), at most 16 positional arguments");
+        return NULL;
+    }
+    Py_ssize_t described = PyLong_AsSsize_t(PyTuple_GetItem(args, 0));
+    if (described < 0 || described > n - 1) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "dispatcher: described counts more arguments than given");
+        return NULL;
+    }
+    int compile_only = flag(self->depth);
+    if (compile_only < 0) return NULL;
+    if (compile_only) Py_RETURN_NOTIMPLEMENTED;
+    int grad = flag(self->grad_enabled);
+    if (grad < 0) return NULL;
+    PyObject *items[16];
+    for (Py_ssize_t i = 1; i < n; i++) items[i - 1] = PyTuple_GetItem(args, i);
+    return dispatch_in(self->closures, grad, described, items, n - 1);
+}
+
+static PyType_Slot dispatcher_slots[] = {
+    {Py_tp_new, dispatcher_new},
+    {Py_tp_dealloc, dispatcher_dealloc},
+    {Py_tp_call, dispatcher_call},
+    {Py_tp_doc, "Dispatcher(closures, compile_only_depth, grad_enabled); dispatcher(described, *args)"},
+    {0, NULL},
+};
+
+static PyType_Spec dispatcher_spec = {
+    "quack.cache._fastlaunch.Dispatcher", sizeof(Dispatcher), 0, Py_TPFLAGS_DEFAULT, dispatcher_slots,
+};
 
 /* configure(api, types): the DLPack exchange capsule and the tuple of exact
  * tensor types describe() takes (torch.Tensor, torch.nn.Parameter). */
@@ -728,7 +957,11 @@ static int add_type(PyObject *module, const char *name, PyType_Spec *spec) {
 
 static int module_exec(PyObject *module) {
     if (guarded_name == NULL && (guarded_name = PyUnicode_InternFromString("_call_guarded")) == NULL) return -1;
-    return add_type(module, "Launcher", &launcher_spec) < 0 ? -1 : add_type(module, "Front", &front_spec);
+    if (add_type(module, "Launcher", &launcher_spec) < 0 || add_type(module, "Front", &front_spec) < 0 ||
+        add_type(module, "Dispatcher", &dispatcher_spec) < 0 || add_type(module, "LikeLaunch", &like_launch_spec) < 0)
+        return -1;
+    like_launch_type = PyObject_GetAttrString(module, "LikeLaunch");
+    return like_launch_type == NULL ? -1 : 0;
 }
 
 static PyModuleDef_Slot module_slots[] = {{Py_mod_exec, module_exec}, {0, NULL}};

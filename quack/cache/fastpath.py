@@ -48,27 +48,17 @@ def _c_module() -> Any:
     return module
 
 
-_is_compiling, _grad_enabled = torch.compiler.is_compiling, torch.is_grad_enabled
-
-
-def _dispatch(*args: Any) -> Any:
-    """``_fastlaunch.dispatch``, found on the first call (this function then
-    replaces itself: no lookup per call); NotImplemented for every call
-    without the C launcher."""
-    global _dispatch
-    module = _c_module()
-    _dispatch = module.dispatch if module is not None else _declined
-    return _dispatch(*args)
-
-
-def _declined(*args: Any) -> Any:
-    return NotImplemented
+# What an op tests before ``Closures.call``: torch.compile's tracer folds it to
+# True, so it never reaches the C dispatcher (opaque to the tracer); in eager
+# mode it is one read of torch's flag.
+tracing = torch.compiler.is_compiling
+_grad_enabled = torch.is_grad_enabled
 
 
 def applies() -> bool:
     """Whether the fast path can take a call now: not while torch.compile
     traces (no addresses), not in compile-only mode (nothing launches)."""
-    return not (_is_compiling() or compile_only_active())
+    return not (tracing() or compile_only_active())
 
 
 def describe(*args: Any) -> Optional[bytes]:
@@ -78,23 +68,32 @@ def describe(*args: Any) -> Optional[bytes]:
     return module.describe(_grad_enabled(), *args) if module is not None else None
 
 
+def _declined(*args: Any) -> Any:
+    return NotImplemented
+
+
 class Closures:
     """One op's launch closures, by call description (each op has its own:
-    two ops' calls on the same tensors describe alike)."""
+    two ops' calls on the same tensors describe alike).
+
+    ``call(described, *args)``: the kept closure's result for a call whose
+    first ``described`` arguments describe as an earlier call's did;
+    NotImplemented where there is none, it declined, or compile-only mode is
+    on (the caller then takes the full path).  After the first call it is
+    ``_fastlaunch.Dispatcher``: the flags, the description, the lookup and
+    the closure in one C call.  The op tests ``tracing()`` first."""
 
     def __init__(self) -> None:
         self._by_key: dict[bytes, Callable[..., Any]] = {}
+        self.call = self._first_call
         _TABLES.append(self)
 
-    def call(self, described: int, *args: Any) -> Any:
-        """The kept closure's ``run(*args)`` for a call whose first
-        ``described`` arguments describe as an earlier call's did (one C call:
-        describe, look up, run; no key object in Python); NotImplemented where
-        there is none or it declined (the caller then takes the full path).
-        Runs on every call, so ``applies()`` is inlined: two flag reads."""
-        if _is_compiling() or _COMPILE_ONLY_DEPTH.get():
-            return NotImplemented
-        return _dispatch(self._by_key, _grad_enabled(), described, *args)
+    def _first_call(self, described: int, *args: Any) -> Any:
+        """Finds the C dispatcher (or, without it, declines every call from now on)."""
+        module = _c_module()
+        self.call = (module.Dispatcher(self._by_key, _COMPILE_ONLY_DEPTH.get, _grad_enabled)
+                     if module is not None else _declined)
+        return self.call(described, *args)
 
     def remember(self, described: tuple, make: Callable[[], Optional[Callable[..., Any]]]) -> None:
         """Keep ``make()``'s closure for calls whose described arguments
@@ -116,6 +115,27 @@ class Closures:
 
     def clear(self) -> None:
         self._by_key.clear()
+
+
+# A ``like_closure`` template's entries other than the call's argument indices.
+NONE = -1
+
+
+def output(j: int) -> int:
+    """The template entry of output ``j``."""
+    return -2 - j
+
+
+def like_closure(launch, outputs: int, template: tuple[int, ...]):
+    """The launch closure, in C (``_fastlaunch.LikeLaunch``), of a row-wise op
+    whose ``outputs`` are each ``torch.empty_like`` its first argument: it
+    calls ``launch`` with the call's argument i for each entry i >= 0 of
+    ``template``, None for ``NONE`` and the outputs for ``output(j)``, and
+    returns the output (the tuple where several).  None without ``launch``."""
+    module = _c_module()
+    if launch is None or module is None:
+        return None
+    return module.LikeLaunch(launch, torch.empty_like, outputs, template)
 
 
 def direct(plan, role: str, device: torch.device, rows: frozenset[int] = frozenset()):
