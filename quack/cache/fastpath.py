@@ -50,7 +50,7 @@ def _c_module() -> Any:
 
 # What an op tests before ``Closures.call``: torch.compile's tracer folds it to
 # True, so it never reaches the C dispatcher (opaque to the tracer); in eager
-# mode it is one read of torch's flag.
+# mode it costs two small Python calls (it asks torch.jit.is_scripting first).
 tracing = torch.compiler.is_compiling
 _grad_enabled = torch.is_grad_enabled
 
