@@ -614,6 +614,29 @@ def test_like_launch_allocates_like_the_first_argument_and_fills_the_template(de
     assert launched[-1][4] == 0.25
 
 
+def test_like_launch_calls_a_c_launcher_directly(fastlaunch, described):
+    """With a C Launcher the closure hands it the arguments with no tuple:
+    the same fields written, its NotImplemented and its arity error passed on."""
+    recorder = _Recorder()
+    c, buf = _direct(fastlaunch, recorder.address, rows={0, 1})
+    out = lambda j: -2 - j  # noqa: E731
+    closure = described.LikeLaunch(c, torch.empty_like, 1, (0, out(0), 1))
+    x = torch.zeros(2, 3, 8)
+    y = closure(x, 0.5)
+    assert y.shape == x.shape and y.data_ptr() != x.data_ptr()
+    words = buf.tolist()
+    assert words[0] == x.data_ptr() and ctypes.c_int32(words[1]).value == 6 and words[2] == 8
+    assert words[3] == y.data_ptr() and ctypes.c_int32(words[4]).value == 6 and words[5] == 8
+    assert len(recorder.firsts) == 1
+    with pytest.raises(TypeError, match="takes 3 arguments, got 2"):
+        described.LikeLaunch(c, torch.empty_like, 1, (0, out(0)))(x)
+    getter = CONTEXT_GETTER(lambda out_context: (out_context.__setitem__(0, 0x2000), 0)[1])
+    other, _ = _direct(fastlaunch, recorder.address, rows={0, 1},
+                       get_context=ctypes.cast(getter, ctypes.c_void_p).value, context=0x1000)
+    assert described.LikeLaunch(other, torch.empty_like, 1, (0, out(0), 1))(x, 0.5) is NotImplemented
+    assert len(recorder.firsts) == 1  # nothing launched from the other context
+
+
 def test_closures_decline_every_call_without_the_c_module(monkeypatch):
     _use_module(monkeypatch, None)
     fastpath._c_module.cache_clear()
@@ -654,3 +677,26 @@ def test_objects_the_runtime_loaded_launch_through_function_run(fastlaunch, monk
     status["value"] = 5
     with pytest.raises(RuntimeError, match="runtime error 5"):
         fast(x, 0.5, 7)
+
+
+def test_ops_see_dynamo_tracing_without_a_recompile_per_call():
+    """``fastpath.tracing`` (what each op tests before the C dispatcher) is
+    False in eager mode and True while dynamo traces, with no guard that
+    fails on the next call; torch's private flag, read directly, would
+    recompile on every call (why the ops do not read it)."""
+    from torch._dynamo.utils import counters
+
+    def op(test):
+        def f(x):
+            return x * 2 if test() else x * 3
+        return f
+
+    assert fastpath.tracing() is False
+    x = torch.ones(2)
+    for test, graphs in ((fastpath.tracing, 1), (lambda: torch.compiler._is_compiling_flag, 3)):
+        torch._dynamo.reset()
+        counters.clear()
+        compiled = torch.compile(op(test), fullgraph=True, backend="eager")
+        assert [compiled(x)[0].item() for _ in range(3)] == [2.0] * 3  # traced: the full path's branch
+        assert counters["stats"]["unique_graphs"] == graphs
+    torch._dynamo.reset()

@@ -213,23 +213,19 @@ static void write_fields(Launcher *self, const Scalar *values) {
     }
 }
 
-static PyObject *launcher_call(PyObject *op, PyObject *args, PyObject *kwargs) {
-    Launcher *self = (Launcher *)op;
-    if (kwargs != NULL && PyDict_Size(kwargs) > 0) {
-        PyErr_SetString(PyExc_TypeError, "quack launcher: arguments are positional");
-        return NULL;
-    }
-    Py_ssize_t n = PyTuple_Size(args);
-    if (n != self->nargs) {
-        PyErr_Format(PyExc_TypeError, "kernel takes %zd arguments, got %zd", self->nargs, n);
-        return NULL;
-    }
+static int takes(Launcher *self, Py_ssize_t n) {
+    if (n == self->nargs) return 1;
+    PyErr_Format(PyExc_TypeError, "kernel takes %zd arguments, got %zd", self->nargs, n);
+    return 0;
+}
+
+/* The launch on items[0:n]: None, NotImplemented (declined), or NULL on an error. */
+static PyObject *launcher_run(Launcher *self, PyObject *const *items, Py_ssize_t n) {
+    if (!takes(self, n)) return NULL;
     if (self->get_context != NULL) {
         void *current = NULL;
         if (self->get_context(&current) != 0 || current != self->context) Py_RETURN_NOTIMPLEMENTED;
     }
-    PyObject *items[64];
-    for (Py_ssize_t i = 0; i < n; i++) items[i] = PyTuple_GetItem(args, i); /* borrowed */
     Scalar values[MAX_FIELDS];
     int read = read_values(self, items, values);
     if (read < 0) return NULL;
@@ -249,6 +245,18 @@ static PyObject *launcher_call(PyObject *op, PyObject *args, PyObject *kwargs) {
         return NULL;
     }
     Py_RETURN_NONE;
+}
+
+static PyObject *launcher_call(PyObject *op, PyObject *args, PyObject *kwargs) {
+    if (kwargs != NULL && PyDict_Size(kwargs) > 0) {
+        PyErr_SetString(PyExc_TypeError, "quack launcher: arguments are positional");
+        return NULL;
+    }
+    Py_ssize_t n = PyTuple_Size(args);
+    if (!takes((Launcher *)op, n)) return NULL; /* (at most 64) */
+    PyObject *items[64];
+    for (Py_ssize_t i = 0; i < n; i++) items[i] = PyTuple_GetItem(args, i); /* borrowed */
+    return launcher_run((Launcher *)op, items, n);
 }
 
 /* bare(n): the entry point called n times from C with the buffer as the last
@@ -649,6 +657,7 @@ typedef struct {
 } LikeLaunch;
 
 static PyObject *like_launch_type = NULL;
+static PyObject *launcher_type = NULL; /* set by module_exec */
 
 static PyObject *like_launch_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
     PyObject *launcher, *allocate, *template;
@@ -704,18 +713,26 @@ static PyObject *like_launch_run(LikeLaunch *self, PyObject *const *args, Py_ssi
     for (Py_ssize_t j = 0; j < self->outputs; j++) {
         if ((outs[j] = PyObject_CallFunctionObjArgs(self->allocate, args[0], NULL)) == NULL) goto done;
     }
-    if ((call_args = PyTuple_New(self->count)) == NULL) goto done;
+    PyObject *items[16]; /* borrowed: the call's arguments and outs[] outlive the launch */
     for (Py_ssize_t i = 0; i < self->count; i++) {
         Py_ssize_t entry = self->template[i];
-        PyObject *item = entry >= 0 ? (entry < n ? args[entry] : NULL) : entry == -1 ? Py_None : outs[-2 - entry];
-        if (item == NULL) {
+        items[i] = entry >= 0 ? (entry < n ? args[entry] : NULL) : entry == -1 ? Py_None : outs[-2 - entry];
+        if (items[i] == NULL) {
             PyErr_SetString(PyExc_IndexError, "LikeLaunch: the template names an argument the call lacks");
             goto done;
         }
-        Py_INCREF(item);
-        PyTuple_SetItem(call_args, i, item);
     }
-    PyObject *launched = PyObject_Call(self->launcher, call_args, NULL);
+    PyObject *launched;
+    if (Py_TYPE(self->launcher) == (PyTypeObject *)launcher_type) {
+        launched = launcher_run((Launcher *)self->launcher, items, self->count); /* no tuple, no tp_call */
+    } else {
+        if ((call_args = PyTuple_New(self->count)) == NULL) goto done;
+        for (Py_ssize_t i = 0; i < self->count; i++) {
+            Py_INCREF(items[i]);
+            PyTuple_SetItem(call_args, i, items[i]);
+        }
+        launched = PyObject_Call(self->launcher, call_args, NULL);
+    }
     if (launched == NULL) goto done;
     if (launched != Py_None) { /* declined: NotImplemented */
         result = launched;
@@ -961,7 +978,8 @@ static int module_exec(PyObject *module) {
         add_type(module, "Dispatcher", &dispatcher_spec) < 0 || add_type(module, "LikeLaunch", &like_launch_spec) < 0)
         return -1;
     like_launch_type = PyObject_GetAttrString(module, "LikeLaunch");
-    return like_launch_type == NULL ? -1 : 0;
+    launcher_type = PyObject_GetAttrString(module, "Launcher");
+    return like_launch_type == NULL || launcher_type == NULL ? -1 : 0;
 }
 
 static PyModuleDef_Slot module_slots[] = {{Py_mod_exec, module_exec}, {0, NULL}};

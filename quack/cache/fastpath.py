@@ -48,10 +48,15 @@ def _c_module() -> Any:
     return module
 
 
-# What an op tests before ``Closures.call``: torch.compile's tracer folds it to
-# True, so it never reaches the C dispatcher (opaque to the tracer); in eager
-# mode it costs two small Python calls (it asks torch.jit.is_scripting first).
-tracing = torch.compiler.is_compiling
+# What an op tests before ``Closures.call``: dynamo (torch.compile, strict
+# export) folds it to True while it traces, so the C dispatcher, opaque to it,
+# is never traced; in eager mode it returns False and costs one small call
+# (``is_compiling`` asks torch.jit.is_scripting first: four times the cost).
+# Other tracers (non-strict export, make_fx) hand the ops tensor subclasses,
+# which the dispatcher declines.  Reading ``torch.compiler._is_compiling_flag``
+# instead would be cheaper still but makes dynamo guard on the flag and
+# recompile on every call (tests/test_fast_launcher.py checks both).
+tracing = torch.compiler.is_dynamo_compiling
 _grad_enabled = torch.is_grad_enabled
 
 
