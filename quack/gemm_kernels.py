@@ -30,7 +30,8 @@ after: the consumers zero those columns of the A and B stages before the
 WGMMA.  An empty group's tiles run no K step and store zeros.
 
 Fused epilogue (``activation``, ``has_bias``): D = act(A @ B + bias), bias a
-vector of N added in fp32, the activation applied in fp32 before the one
+vector of N added in fp32 (each tile's columns staged in shared memory while
+its main loop runs), the activation applied in fp32 before the one
 rounding; with a ``preact`` tensor the pre-activation A @ B + bias is stored
 too (what a backward needs), through the same shared-memory buffers.
 
@@ -169,6 +170,7 @@ class HopperGemm:
             sa: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(sa_layout)], 1024]
             sb: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(sb_layout)], 1024]
             sd: cute.struct.Align[cute.struct.MemRange[self.d_dtype, cute.cosize(sd_layout)], 1024]
+            sbias: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, self.tile_mnk[1]], 16]
 
         self.shared_storage = SharedStorage
 
@@ -206,8 +208,9 @@ class HopperGemm:
         tile_m, tile_n, tile_k = self.tile_mnk
         stage_bytes = (tile_m + tile_n) * tile_k * self.ab_dtype.width // 8
         epi_bytes = EPILOGUE_BUFFERS * tile_m * EPILOGUE_N * self.d_dtype.width // 8
+        bias_bytes = tile_n * 4
         capacity = cutlass.memory.get_smem_capacity_in_bytes("sm_90")
-        return (capacity - BARRIER_BYTES - epi_bytes) // stage_bytes
+        return (capacity - BARRIER_BYTES - epi_bytes - bias_bytes) // stage_bytes
 
     def _operand_smem_layout(self, major: tensor_utils.LayoutEnum, rows: int):
         """Swizzled (rows, 64, stages) layout shared by TMA and WGMMA."""
@@ -262,6 +265,7 @@ class HopperGemm:
         sa = storage.sa.get_tensor(sa_layout.outer, swizzle=sa_layout.inner)
         sb = storage.sb.get_tensor(sb_layout.outer, swizzle=sb_layout.inner)
         sd = storage.sd.get_tensor(sd_layout.outer, swizzle=sd_layout.inner)
+        sbias = storage.sbias.get_tensor(cute.make_layout(self.tile_mnk[1]))
 
         total_rows, total_k = ta.shape[0], ta.shape[1]
         cluster_id = cute.arch.block_idx()[2]
@@ -276,7 +280,7 @@ class HopperGemm:
                               total_rows, total_k, cluster_id, cluster_count, n_clusters)
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGISTERS)
-            self._consume(tiled_mma, out_mma, tma_d, td, d, bias, tma_p, tp, preact, sa, sb, sd, mainloop,
+            self._consume(tiled_mma, out_mma, tma_d, td, d, bias, tma_p, tp, preact, sa, sb, sd, sbias, mainloop,
                           tidx - THREADS_PER_WARPGROUP, warp_idx, cta_m, cta_n, cu_seqlens, num_groups, total_rows,
                           total_k, cluster_id, cluster_count, n_clusters)
 
@@ -362,7 +366,8 @@ class HopperGemm:
         mainloop.producer_tail(state)
 
     @cute.jit
-    def _consume(self, tiled_mma, out_mma, tma_d, td, d, bias, tma_p, tp, preact, sa, sb, sd, mainloop, tidx, warp_idx,
+    def _consume(self, tiled_mma, out_mma, tma_d, td, d, bias, tma_p, tp, preact, sa, sb, sd, sbias, mainloop, tidx,
+                 warp_idx,
                  cta_m, cta_n, cu_seqlens, num_groups, total_rows, total_k, cluster_id, cluster_count, n_clusters):
         """Consumer warpgroups: WGMMA over the stages, then the epilogue."""
         thr_mma = tiled_mma.get_slice(tidx)
@@ -412,6 +417,11 @@ class HopperGemm:
             cu_seqlens, num_groups, total_rows, total_k, item, None, n_clusters, cta_m, cta_n
         )
         while valid:
+            if const_expr(bias is not None):
+                # The tile's bias columns, read once while the main loop runs
+                # (the last tile's epilogue ended on a barrier: no thread
+                # still reads them).
+                self._stage_bias(bias, sbias, n_tile * self.tile_mnk[1], d.shape[1], tidx)
             # Mainloop: one WGMMA batch stays in flight; its stage is released one step late.
             acc.fill(0.0)
             k_tiles = (k_len + (TILE_K - 1)) // TILE_K
@@ -449,15 +459,14 @@ class HopperGemm:
                 bsp, bgp = self._tma_subtiles(tma_p, tp, sd, tile_start, n_tile, self.tile_mnk[1])
             if const_expr(self.derivative and not self.gated):
                 self._scale_by_derivative(acc, acc_coords, preact, tile_start, n_tile * self.tile_mnk[1], rows_left)
+            if const_expr(bias is not None):
+                epi_barrier.arrive_and_wait()  # every thread's share of the bias is in
             for sub in cutlass.range_constexpr(subtiles):
                 for v in cutlass.range_constexpr(cute.size(sub_acc)):
                     sub_acc[v] = r2s_acc[sub * cute.size(sub_acc) + v]
                 if const_expr(bias is not None):
-                    col0 = n_tile * self.tile_mnk[1]
                     for v in cutlass.range_constexpr(cute.size(sub_acc)):
-                        col = col0 + r2s_coords[sub * cute.size(sub_acc) + v][1]
-                        if col < d.shape[1]:
-                            sub_acc[v] = sub_acc[v] + bias[col].to(cutlass.Float32)
+                        sub_acc[v] = sub_acc[v] + sbias[r2s_coords[sub * cute.size(sub_acc) + v][1]]
                 if const_expr(stores_preact):
                     sub_out.store(sub_acc.load().to(self.d_dtype))
                     self._store_subtile(r2s, sub_out, r2s_sd, sd, stores % EPILOGUE_BUFFERS, tma_p, bsp, bgp, preact,
@@ -492,6 +501,19 @@ class HopperGemm:
                 cu_seqlens, num_groups, total_rows, total_k, item, cursor, n_clusters, cta_m, cta_n
             )
         store_pipe.producer_tail()
+
+    @cute.jit
+    def _stage_bias(self, bias, sbias, col0, n, tidx):
+        """The tile's bias columns ``col0`` on into shared memory as fp32, each
+        consumer thread a share; zeros past N (those columns are not stored)."""
+        tile_n = self.tile_mnk[1]
+        for j in cutlass.range_constexpr((tile_n + self.consumer_threads - 1) // self.consumer_threads):
+            i = tidx + j * self.consumer_threads
+            if i < tile_n:
+                value = cutlass.Float32(0.0)
+                if col0 + i < n:
+                    value = bias[col0 + i].to(cutlass.Float32)
+                sbias[i] = value
 
     def _tma_subtiles(self, tma, t, sd, tile_start, n_tile, tile_n: int):
         """The TMA store partitions (shared buffers, global subtiles) of the

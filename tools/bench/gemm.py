@@ -1,6 +1,6 @@
 """GEMM: quack vs cuBLAS (torch.matmul) and torch's grouped GEMM, in TFLOP/s.
 
-    python tools/bench/gemm.py [--plot gemm.png]
+    python tools/bench/gemm.py [--plot gemm.png] [--only products|epilogues|backward]
 
 Dense bf16 (M, K) @ (K, N) with bf16 output; the backward's two products on
 the same views autograd hands them (dA = dC @ Bᵀ, B's other layout, and
@@ -111,7 +111,19 @@ def cases():
     return out
 
 
-EPILOGUES = [("relu", False), ("gelu_tanh", True), ("silu", True)]
+# (activation, with a bias): the 5% budget's cases, and the bias alone and
+# gelu_tanh alone, which tell the bias's share of an epilogue from the math's.
+EPILOGUES = [("relu", False), (None, True), ("gelu_tanh", False), ("gelu_tanh", True), ("silu", True)]
+
+
+def _epilogue_label(activation, with_bias: bool) -> str:
+    return " + ".join(([activation] if activation else []) + (["bias"] if with_bias else []))
+
+
+def _torch_activation(activation):
+    from quack.gemm_epilogue import TORCH_ACTIVATIONS
+
+    return TORCH_ACTIVATIONS[activation] if activation else (lambda z: z)
 
 
 def epilogue_cases(size: int = 8192):
@@ -119,20 +131,18 @@ def epilogue_cases(size: int = 8192):
     fused in our epilogue, our plain GEMM (the 5% budget), torch's GEMM
     (torch.matmul, torch._grouped_mm) then the torch activation, and
     torch.compile of the same."""
-    from quack.gemm_epilogue import TORCH_ACTIVATIONS
-
     a = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
     bias = torch.randn(size, device="cuda", dtype=torch.bfloat16)
     out = []
     for activation, with_bias in EPILOGUES:
-        act, v = TORCH_ACTIVATIONS[activation], bias if with_bias else None
+        act, v = _torch_activation(activation), bias if with_bias else None
 
         def eager(act=act, v=v):
             z = a @ b
             return act(z + v if v is not None else z)
 
-        label = f"{activation}{' + bias' if with_bias else ''} {size}^3"
+        label = f"{_epilogue_label(activation, with_bias)} {size}^3"
         out.append((label, 2 * size**3, {
             "quack fused": lambda activation=activation, v=v: quack.gemm(a, b, bias=v, activation=activation),
             "quack gemm only": lambda: quack.gemm(a, b),
@@ -140,7 +150,7 @@ def epilogue_cases(size: int = 8192):
             "torch.compile": torch.compile(eager),
         }))
     if hasattr(torch, "_grouped_mm"):
-        out.extend(_grouped_epilogue_cases(TORCH_ACTIVATIONS))
+        out.extend(_grouped_epilogue_cases())
     return out
 
 
@@ -154,19 +164,19 @@ def _grouped_operands(lengths):
     return x, w, w_cm, cu
 
 
-def _grouped_epilogue_cases(torch_activations):
+def _grouped_epilogue_cases():
     out = []
     for label, lengths in (("8x2048", [2048] * 8), ("64 uneven", _uneven_lengths(64, 32768))):
         x, w, w_cm, cu = _grouped_operands(lengths)
         bias = torch.randn(4096, device="cuda", dtype=torch.bfloat16)
         for activation, with_bias in EPILOGUES:
-            act, v = torch_activations[activation], bias if with_bias else None
+            act, v = _torch_activation(activation), bias if with_bias else None
 
             def grouped(x=x, w_cm=w_cm, cu=cu, act=act, v=v):
                 z = torch._grouped_mm(x, w_cm, offs=cu[1:])
                 return act(z + v if v is not None else z)
 
-            name = f"{activation}{' + bias' if with_bias else ''} grouped {label}"
+            name = f"{_epilogue_label(activation, with_bias)} grouped {label}"
             out.append((name, 2 * sum(lengths) * 4096 * 4096, {
                 "quack fused": lambda x=x, w=w, cu=cu, v=v, activation=activation: quack.gemm(
                     x, w, cu_seqlens_m=cu, bias=v, activation=activation),
@@ -214,7 +224,17 @@ def glu_cases(size: int = 8192):
 
 
 def main() -> None:
-    args = parse_args("gemm.png")
+    args = parse_args("gemm.png", tables=("products", "epilogues", "backward"))
+    if args.only in (None, "products"):
+        print_products(args.plot)
+    if args.only in (None, "epilogues"):
+        print_epilogues()
+    if args.only in (None, "backward"):
+        print_standalone_backward()
+
+
+def print_products(plot_path: str) -> None:
+    """The plain, backward-layout and grouped products against the references."""
     title = "GEMM bf16 (H200)"
     names = ["quack", "cuBLAS", "torch._grouped_mm", "matmul loop"]
     print(f"\n{title}\n{'case':<34}" + "".join(f"{n:>20}" for n in names) + f"{'quack/best ref':>16}")
@@ -235,10 +255,8 @@ def main() -> None:
         ratio = f"{100 * row['quack'] / max(refs):.0f}%" if refs else "-"
         print(f"{label:<34}" + "".join(f"{row[n]:>20.1f}" for n in names) + f"{ratio:>16}")
         rows.append(row)
-    if args.plot:
-        plot(title, rows, names, None, "TFLOP/s", args.plot)
-    print_epilogues()
-    print_standalone_backward()
+    if plot_path:
+        plot(title, rows, names, None, "TFLOP/s", plot_path)
 
 
 def print_epilogues(cases=None) -> None:

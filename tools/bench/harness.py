@@ -101,10 +101,13 @@ def plot(title, rows, names, reference, unit, path) -> None:
     print(f"plot written to {path}")
 
 
-def parse_args(default_plot: str) -> argparse.Namespace:
+def parse_args(default_plot: str, tables: tuple[str, ...] = ()) -> argparse.Namespace:
+    """--plot, --dtype, and --only TABLE where a benchmark prints several ``tables``."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--plot", default=default_plot, help="PNG path ('' for none)")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    if tables:
+        parser.add_argument("--only", choices=tables, help="print this table alone")
     return parser.parse_args()
 
 
