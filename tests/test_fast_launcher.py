@@ -682,21 +682,18 @@ def test_objects_the_runtime_loaded_launch_through_function_run(fastlaunch, monk
 def test_ops_see_dynamo_tracing_without_a_recompile_per_call():
     """``fastpath.tracing`` (what each op tests before the C dispatcher) is
     False in eager mode and True while dynamo traces, with no guard that
-    fails on the next call; torch's private flag, read directly, would
-    recompile on every call (why the ops do not read it)."""
+    fails on the next call (one graph for three calls)."""
     from torch._dynamo.utils import counters
 
-    def op(test):
-        def f(x):
-            return x * 2 if test() else x * 3
-        return f
+    def op(x):
+        return x * 2 if fastpath.tracing() else x * 3
 
     assert fastpath.tracing() is False
     x = torch.ones(2)
-    for test, graphs in ((fastpath.tracing, 1), (lambda: torch.compiler._is_compiling_flag, 3)):
-        torch._dynamo.reset()
-        counters.clear()
-        compiled = torch.compile(op(test), fullgraph=True, backend="eager")
-        assert [compiled(x)[0].item() for _ in range(3)] == [2.0] * 3  # traced: the full path's branch
-        assert counters["stats"]["unique_graphs"] == graphs
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(op, fullgraph=True, backend="eager")
+    assert [compiled(x)[0].item() for _ in range(3)] == [2.0] * 3  # traced: the full path's branch
+    assert counters["stats"]["unique_graphs"] == 1
+    assert op(x)[0].item() == 3.0
     torch._dynamo.reset()

@@ -53,9 +53,8 @@ def _c_module() -> Any:
 # is never traced; in eager mode it returns False and costs one small call
 # (``is_compiling`` asks torch.jit.is_scripting first: four times the cost).
 # Other tracers (non-strict export, make_fx) hand the ops tensor subclasses,
-# which the dispatcher declines.  Reading ``torch.compiler._is_compiling_flag``
-# instead would be cheaper still but makes dynamo guard on the flag and
-# recompile on every call (tests/test_fast_launcher.py checks both).
+# which the dispatcher declines.  (Reading ``torch.compiler._is_compiling_flag``
+# instead makes dynamo guard on the flag: torch 2.13 recompiled on every call.)
 tracing = torch.compiler.is_dynamo_compiling
 _grad_enabled = torch.is_grad_enabled
 

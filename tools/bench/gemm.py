@@ -126,6 +126,14 @@ def _torch_activation(activation):
     return TORCH_ACTIVATIONS[activation] if activation else (lambda z: z)
 
 
+def _compiled(fn):
+    """torch.compile of ``fn``; the cases share a few functions' code, each
+    case its own guards, so the recompile limit is raised above the cases'
+    count (at the default 8, the later cases ran torch's eager code)."""
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    return torch.compile(fn)
+
+
 def epilogue_cases(size: int = 8192):
     """act(A @ B [+ bias]) at size^3 and at the grouped forward's shapes:
     fused in our epilogue, our plain GEMM (the 5% budget), torch's GEMM
@@ -147,7 +155,7 @@ def epilogue_cases(size: int = 8192):
             "quack fused": lambda activation=activation, v=v: quack.gemm(a, b, bias=v, activation=activation),
             "quack gemm only": lambda: quack.gemm(a, b),
             "torch": eager,
-            "torch.compile": torch.compile(eager),
+            "torch.compile": _compiled(eager),
         }))
     if hasattr(torch, "_grouped_mm"):
         out.extend(_grouped_epilogue_cases())
@@ -182,7 +190,7 @@ def _grouped_epilogue_cases():
                     x, w, cu_seqlens_m=cu, bias=v, activation=activation),
                 "quack gemm only": lambda x=x, w=w, cu=cu: quack.gemm(x, w, cu_seqlens_m=cu),
                 "torch": grouped,
-                "torch.compile": torch.compile(grouped),
+                "torch.compile": _compiled(grouped),
             }))
     return out
 
@@ -205,7 +213,7 @@ def glu_cases(size: int = 8192):
             "quack fused": lambda activation=activation: quack.gemm_glu(a, b, activation=activation),
             "quack gemm only": lambda: quack.gemm(a, b),
             "torch": eager,
-            "torch.compile": torch.compile(eager),
+            "torch.compile": _compiled(eager),
         }
     if not hasattr(torch, "_grouped_mm"):
         return
@@ -219,7 +227,7 @@ def glu_cases(size: int = 8192):
             "quack fused": lambda x=x, w=w, cu=cu: quack.gemm_glu(x, w, cu_seqlens_m=cu),
             "quack gemm only": lambda x=x, w=w, cu=cu: quack.gemm(x, w, cu_seqlens_m=cu),
             "torch": grouped,
-            "torch.compile": torch.compile(grouped),
+            "torch.compile": _compiled(grouped),
         }
 
 
