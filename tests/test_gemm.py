@@ -179,6 +179,32 @@ def test_epilogue(case):
                       matrix.random_cotangents)
 
 
+# Enough tiles that every CTA runs several: a forward activation epilogue
+# leaves the second half of each tile to the next tile's main loop (one
+# subtile per K step: K = 1096), or to the end of it where the loop is
+# shorter than that half (K = 136), and the last tile's to the kernel's end;
+# grouped rows give partial tiles (stored row by row), N a partial N tile.
+TABLE_EPILOGUE_TILES = {
+    "activation": ["gelu_tanh", "silu", "relu_sq"],
+    "grouping": ["dense", "varlen_tiny"],
+    "k": [136, 1096],
+}
+
+
+@pytest.mark.parametrize("case", matrix.cases(TABLE_EPILOGUE_TILES, paired=list(TABLE_EPILOGUE_TILES)), ids=matrix.case_id)
+def test_epilogue_over_many_tiles_per_cta(case):
+    torch.manual_seed(0)
+    cu, m, groups = _grouped_rows(case["grouping"], 8192 + 77)
+    k, n = case["k"], 2056
+    inputs = {
+        "a": _randn(m, k, dtype=torch.bfloat16),
+        "b": _randn(*((k, n) if groups is None else (groups, k, n)), dtype=torch.bfloat16),
+        "bias": _randn(n, dtype=torch.bfloat16),
+    }
+    matrix.check_case(*_epilogue_fns(cu, case["activation"]), inputs, ("b", "bias"), matrix.INFERENCE,
+                      matrix.random_cotangents)
+
+
 # The gated epilogue, act(A @ B_gate) * (A @ B_up) with B's gate and up
 # columns interleaved: every gated activation, B's two layouts, dense and
 # grouped rows, which gradients autograd takes; N (half of B's columns)
