@@ -182,27 +182,44 @@ def test_epilogue(case):
 # Enough tiles that every CTA runs several: a forward activation epilogue
 # leaves the second half of each tile to the next tile's main loop (one
 # subtile per K step: K = 1096), or to the end of it where the loop is
-# shorter than that half (K = 136), and the last tile's to the kernel's end;
-# grouped rows give partial tiles (stored row by row), N a partial N tile.
+# shorter than that half (K = 136), and the last tile's to the kernel's end.
+# N = 2184 leaves a last N tile whose first deferred subtile is partial;
+# N = 120 takes 128-column tiles (two deferred subtiles); grouped rows give
+# partial tiles (stored row by row), the short groups first or last.
 TABLE_EPILOGUE_TILES = {
     "activation": ["gelu_tanh", "silu", "relu_sq"],
-    "grouping": ["dense", "varlen_tiny"],
+    "grouping": ["dense", "varlen_tiny", "varlen_tiny_last"],
     "k": [136, 1096],
+    "n": [2184, 120],
+    "dtype": [torch.bfloat16, torch.float16],
+    "out_dtype": [None, torch.float32],
 }
 
 
-@pytest.mark.parametrize("case", matrix.cases(TABLE_EPILOGUE_TILES, paired=list(TABLE_EPILOGUE_TILES)), ids=matrix.case_id)
+@pytest.mark.parametrize("case", matrix.cases(TABLE_EPILOGUE_TILES, paired=list(TABLE_EPILOGUE_TILES)),
+                         ids=matrix.case_id)
 def test_epilogue_over_many_tiles_per_cta(case):
     torch.manual_seed(0)
-    cu, m, groups = _grouped_rows(case["grouping"], 8192 + 77)
-    k, n = case["k"], 2056
+    m = 8192 + 77 if case["n"] > 128 else 40000 + 77
+    lengths = None if case["grouping"] == "dense" else _group_lengths("varlen_tiny", m)
+    if case["grouping"] == "varlen_tiny_last":
+        lengths = lengths[::-1]
+    cu = _cu(lengths)[0] if lengths else None
+    k, n, dtype, out_dtype = case["k"], case["n"], case["dtype"], case["out_dtype"]
     inputs = {
-        "a": _randn(m, k, dtype=torch.bfloat16),
-        "b": _randn(*((k, n) if groups is None else (groups, k, n)), dtype=torch.bfloat16),
-        "bias": _randn(n, dtype=torch.bfloat16),
+        "a": _randn(m, k, dtype=dtype),
+        "b": _randn(*((k, n) if lengths is None else (len(lengths), k, n)), dtype=dtype),
+        "bias": _randn(n, dtype=dtype),
     }
-    matrix.check_case(*_epilogue_fns(cu, case["activation"]), inputs, ("b", "bias"), matrix.INFERENCE,
-                      matrix.random_cotangents)
+    _, _, theirs = _epilogue_fns(cu, case["activation"])
+
+    def ours(a, b, bias):
+        return quack.gemm(a, b, cu_seqlens_m=cu, bias=bias, activation=case["activation"], out_dtype=out_dtype)
+
+    def reference(a, b, bias):  # in float64 for the reference, else in the inputs' dtype, then D's
+        return theirs(a, b, bias).to(out_dtype or a.dtype)
+
+    matrix.check_case(ours, reference, reference, inputs, ("b", "bias"), matrix.INFERENCE, matrix.random_cotangents)
 
 
 # The gated epilogue, act(A @ B_gate) * (A @ B_up) with B's gate and up
