@@ -430,8 +430,8 @@ class HopperGemm:
         while valid:
             if const_expr(bias is not None):
                 # The tile's bias columns, read once while the main loop runs
-                # (the last tile's epilogue ended on a barrier: no thread
-                # still reads them).
+                # (the last tile's epilogue ended on a barrier, a deferred one's
+                # packing too: no thread still reads them).
                 self._stage_bias(bias, sbias, n_tile * self.tile_mnk[1], d.shape[1], tidx)
             # Mainloop: one WGMMA batch stays in flight; its stage is released one step late.
             acc.fill(0.0)
@@ -452,15 +452,17 @@ class HopperGemm:
                     cute.gemm(tiled_mma, acc, frag_a[None, None, kb, read_state.index],
                               frag_b[None, None, kb, read_state.index], acc)
                 warpgroup.commit_group()
+                for j in cutlass.range_constexpr(deferred):
+                    # While this step's WGMMA batch and the last one's run (two
+                    # batches of work queued: a subtile costs about one).
+                    if (pending != 0) & (k == j):
+                        stores = self._finish_deferred(j, deferred, sd, stores, tma_d, pbsd, pbgd, d, p_rows, p_start,
+                                                       p_ntile, tidx, store_warp, store_pipe, epi_barrier)
                 warpgroup.wait_group(1)
                 if k > 0:
                     mainloop.consumer_release(release_state)
                     release_state.advance()
                 read_state.advance()
-                for j in cutlass.range_constexpr(deferred):
-                    if (pending != 0) & (k == j):  # while this step's WGMMA runs
-                        stores = self._finish_deferred(j, deferred, sd, stores, tma_d, pbsd, pbgd, d, p_rows, p_start,
-                                                       p_ntile, tidx, store_warp, store_pipe, epi_barrier)
             warpgroup.wait_group(0)
             # The last stage (none for an empty group of varlen K; the op
             # returns zeros for K = 0 itself).
@@ -548,7 +550,7 @@ class HopperGemm:
         """How many of a tile's subtiles the next tile's main loop finishes:
         half of them (as many as the shared buffers hold) for a plain forward
         activation that stores no pre-activation, else none."""
-        if self.activation is None or self.gated or self.derivative or stores_preact:
+        if self.activation is None or self.gated or self.derivative or stores_preact or self.varlen_k:
             return 0
         return min(self.tile_mnk[1] // EPILOGUE_N // 2, EPILOGUE_BUFFERS)
 
