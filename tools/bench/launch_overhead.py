@@ -17,7 +17,10 @@ Cold start (each in a fresh interpreter): ``import torch``; ``import quack``;
 a family's module import; the first call of each family once torch has made
 the CUDA context, with the cache's verify and load times (of the load, the
 DSL runtime's C loader's two stages); its second call; whether the process
-imported the CuTe DSL's Python package, and that import's cost, timed after.  Run against objects that hold every kernel here (the
+imported the CuTe DSL's Python package, and that import's cost, timed after;
+then an fp16 call in the same process: the stages of an object loaded once the
+runtime library is open (what every load after a family's first costs).  Run
+against objects that hold every kernel here (the
 Bazel-built bundle): a miss would time a compile, so the cold runs are strict.
 """
 
@@ -168,15 +171,27 @@ call = {call}
 torch.cuda.synchronize(); t5 = time.perf_counter()
 call(); torch.cuda.synchronize(); t6 = time.perf_counter()
 call(); torch.cuda.synchronize(); t7 = time.perf_counter()
+first = cache.stats()
+x, w = x.half(), w.half()  # another object of the family: a load with the runtime library already open
+try:
+    call(); torch.cuda.synchronize()
+except Exception:  # not among the objects (strict): no figure
+    pass
 dsl_imported = "cutlass" in sys.modules
 import cutlass.cute; t8 = time.perf_counter()
 s = cache.stats()
 assert s["compiles"] == 0
+later = {k: s[k] - first[k] for k in ("verify_seconds", "load_seconds", "runtime_create_seconds",
+                                      "runtime_function_seconds")}
 print(json.dumps(dict(import_torch=t1 - t0, import_quack=t2 - t1, cuda_context=t3 - t2, import_family=t4 - t3,
                       first_call=t6 - t5, second_call=t7 - t6, dsl_imported=dsl_imported, import_dsl=t8 - t7,
-                      loads=sum(v for k, v in s["hits"].items() if k != "memory"), verify=s["verify_seconds"],
-                      load=s["load_seconds"], create=s["runtime_create_seconds"],
-                      function=s["runtime_function_seconds"])))
+                      loads=sum(v for k, v in first["hits"].items() if k != "memory"),
+                      verify=first["verify_seconds"], load=first["load_seconds"],
+                      create=first["runtime_create_seconds"], function=first["runtime_function_seconds"],
+                      later_loads=sum(v for k, v in s["hits"].items() if k != "memory") - sum(
+                          v for k, v in first["hits"].items() if k != "memory"),
+                      later_verify=later["verify_seconds"], later_load=later["load_seconds"],
+                      later_create=later["runtime_create_seconds"], later_function=later["runtime_function_seconds"])))
 """
 
 _COLD_CALLS = {
@@ -196,17 +211,31 @@ def cold_start() -> None:
           "\ntimed after the calls for reference")
     print(f"  {'family':<14} {'torch':>6} {'quack':>6} {'ctx':>6} {'module':>7} {'1st call':>9} {'verify':>7} "
           f"{'load':>7} {'create':>7} {'funct.':>7} {'loads':>5} {'2nd call':>9} {'DSL':>5} {'DSL import':>10}")
+    later = []
     for family, call in _COLD_CALLS.items():
         done = subprocess.run([sys.executable, "-c", _COLD.format(family=family, call=call)], env=env,
                               capture_output=True, text=True)
         if done.returncode != 0:
             print(f"  {family:<14} failed: {done.stderr.strip().splitlines()[-1]}")
             continue
-        r = json.loads(done.stdout.strip().splitlines()[-1])
+        r = dict(json.loads(done.stdout.strip().splitlines()[-1]), family=family)
         print(f"  {family:<14} {r['import_torch']:6.2f} {r['import_quack']:6.3f} {r['cuda_context']:6.2f} "
               f"{r['import_family']:7.3f} {r['first_call']:9.4f} {r['verify']:7.4f} {r['load']:7.4f} "
               f"{r['create']:7.4f} {r['function']:7.4f} {r['loads']:5d} {r['second_call']:9.5f} "
               f"{str(r['dsl_imported']):>5} {r['import_dsl']:10.2f}")
+        later.append(r)
+    print("\nthe same processes' fp16 call after those: objects loaded with the runtime library already open"
+          "\n(ms per object; 'ours' is the load less the DSL runtime's two calls)")
+    print(f"  {'family':<14} {'loads':>5} {'verify':>7} {'load':>7} {'create':>7} {'funct.':>7} {'ours':>7}")
+    for r in later:
+        if not r["later_loads"]:
+            print(f"  {r['family']:<14} no fp16 object in the cache")
+            continue
+        n = r["later_loads"]
+        ours = r["later_load"] - r["later_create"] - r["later_function"]
+        print(f"  {r['family']:<14} {r['later_loads']:5d} {1e3 * r['later_verify'] / n:7.3f} "
+              f"{1e3 * r['later_load'] / n:7.3f} {1e3 * r['later_create'] / n:7.3f} "
+              f"{1e3 * r['later_function'] / n:7.3f} {1e3 * ours / n:7.3f}")
 
 
 def main() -> None:
