@@ -387,9 +387,7 @@ def gemm(A: torch.Tensor, B: torch.Tensor, out_dtype: Optional[torch.dtype] = No
     column-major (per group); other layouts are copied.  Differentiable,
     dense and with cu_seqlens_m (not with cu_seqlens_k: NotImplementedError).
     ``bias`` (N,) in A's dtype or fp32 and ``activation`` (``gemm_epilogue.ACTIVATIONS``)
-    are fused into the epilogue: act(A @ B + bias), not with cu_seqlens_k;
-    the activation, in fp32, reads A @ B + bias rounded to the output dtype
-    (the pre-activation a training call saves, and torch's eager order).
+    are fused into the epilogue: act(A @ B + bias), not with cu_seqlens_k.
     Grouped rows: output rows outside [cu[0], cu[G]) are left unwritten (and
     so is their gradient, which the bias gradient would then sum: train with
     cu[0] = 0 and cu[G] = total_M); a malformed cu_seqlens gives wrong

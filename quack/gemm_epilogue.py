@@ -1,7 +1,6 @@
 """The GEMM's fused epilogues on the host side, without the CuTe DSL: the
 activations the kernels apply (``quack/gemm_kernels.py`` computes them and
-their derivatives in fp32; a plain activation reads the pre-activation
-rounded to the output's dtype, as torch's eager ops do), their torch definitions
+their derivatives in fp32 before its one rounding), their torch definitions
 (the tests' reference and the empty product's), and the epilogue names."""
 
 from __future__ import annotations

@@ -31,16 +31,9 @@ WGMMA.  An empty group's tiles run no K step and store zeros.
 
 Fused epilogue (``activation``, ``has_bias``): D = act(A @ B + bias), bias a
 vector of N added in fp32 (each tile's columns staged in shared memory while
-its main loop runs); the activation reads the pre-activation rounded to D's
-dtype (what a training call stores, and torch's eager order) and computes in
-fp32; with a ``preact`` tensor the pre-activation is stored too (what a
-backward needs), through the same shared-memory buffers.  Without one, the
-epilogue defers the second half of a tile: its rounded pre-activations wait
-in the four shared buffers, and the next tile's main loop activates and
-stores one per K step while its WGMMA runs (the activation's two MUFU
-operations per value would otherwise keep the tensor cores idle: about 4%
-of a tile at K = 4096).  Registers cannot hold them (ptxas allocates the
-consumers 168 of the 232 they get).
+its main loop runs), the activation applied in fp32 before the one
+rounding; with a ``preact`` tensor the pre-activation A @ B + bias is stored
+too (what a backward needs), through the same shared-memory buffers.
 
 Gated epilogue (``activation`` one of ``GATED``): B's columns hold the gate
 and up projections interleaved (gate j at column 2j, up j at 2j + 1), and D
@@ -416,10 +409,6 @@ class HopperGemm:
         subtiles = self.tile_mnk[1] // EPILOGUE_N
         out_subtiles = self.out_tile_n // EPILOGUE_N
 
-        deferred = self._deferred_subtiles(stores_preact)
-        pending = Int32(0)  # 1 while the last tile's deferred subtiles wait in shared memory
-        p_start, p_rows, p_ntile = Int32(0), Int32(0), Int32(0)  # that tile's tile_start, rows_left, n_tile
-
         read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         release_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         item = cluster_id
@@ -430,15 +419,12 @@ class HopperGemm:
         while valid:
             if const_expr(bias is not None):
                 # The tile's bias columns, read once while the main loop runs
-                # (the last tile's epilogue ended on a barrier, a deferred one's
-                # packing too: no thread still reads them).
+                # (the last tile's epilogue ended on a barrier: no thread
+                # still reads them).
                 self._stage_bias(bias, sbias, n_tile * self.tile_mnk[1], d.shape[1], tidx)
             # Mainloop: one WGMMA batch stays in flight; its stage is released one step late.
             acc.fill(0.0)
             k_tiles = (k_len + (TILE_K - 1)) // TILE_K
-            pbsd, pbgd = None, None
-            if const_expr(deferred > 0):
-                pbsd, pbgd = self._tma_subtiles(tma_d, td, sd, p_start, p_ntile, self.out_tile_n)
             for k in cutlass.range(k_tiles, unroll=1):
                 mainloop.consumer_wait(read_state)
                 if const_expr(self.varlen_k):
@@ -452,12 +438,6 @@ class HopperGemm:
                     cute.gemm(tiled_mma, acc, frag_a[None, None, kb, read_state.index],
                               frag_b[None, None, kb, read_state.index], acc)
                 warpgroup.commit_group()
-                for j in cutlass.range_constexpr(deferred):
-                    # While this step's WGMMA batch and the last one's run (two
-                    # batches of work queued: a subtile costs about one).
-                    if (pending != 0) & (k == j):
-                        stores = self._finish_deferred(j, deferred, sd, stores, tma_d, pbsd, pbgd, d, p_rows, p_start,
-                                                       p_ntile, tidx, store_warp, store_pipe, epi_barrier)
                 warpgroup.wait_group(1)
                 if k > 0:
                     mainloop.consumer_release(release_state)
@@ -469,14 +449,9 @@ class HopperGemm:
             if k_tiles > 0:
                 mainloop.consumer_release(release_state)
                 release_state.advance()
-            for j in cutlass.range_constexpr(deferred):
-                if (pending != 0) & (k_tiles <= j):  # what a short main loop left
-                    stores = self._finish_deferred(j, deferred, sd, stores, tma_d, pbsd, pbgd, d, p_rows, p_start,
-                                                   p_ntile, tidx, store_warp, store_pipe, epi_barrier)
 
             # Epilogue: per 32-column subtile, bias and activation in fp32, then
-            # registers -> shared (stmatrix) -> global (TMA, or a predicated copy);
-            # the last ``deferred`` subtiles wait in shared memory for the next tile.
+            # registers -> shared (stmatrix) -> global (TMA, or a predicated copy).
             whole_tile = rows_left >= self.tile_mnk[0]
             bsd, bgd = self._tma_subtiles(tma_d, td, sd, tile_start, n_tile, self.out_tile_n)
             bsp, bgp = None, None
@@ -498,28 +473,15 @@ class HopperGemm:
                                         sub, whole_tile, rows_left, tile_start, n_tile * self.tile_mnk[1], tidx,
                                         store_warp, store_pipe, epi_barrier)
                     stores = stores + 1
-                if const_expr(sub >= subtiles - deferred):
-                    if const_expr(sub == subtiles - deferred):
-                        if store_warp:
-                            cute.arch.cp_async_bulk_wait_group(0, read=True)  # every buffer's TMA store has read it
-                        epi_barrier.arrive_and_wait()
+                if const_expr(not self.gated):
+                    if const_expr(self.activation is not None and not self.derivative):
+                        for v in cutlass.range_constexpr(cute.size(sub_acc)):
+                            sub_acc[v] = activate(sub_acc[v], self.activation)
                     sub_out.store(sub_acc.load().to(self.d_dtype))
-                    buffer = (stores + sub - (subtiles - deferred)) % EPILOGUE_BUFFERS
-                    cute.copy(r2s, sub_out, r2s_sd[None, None, None, buffer])
-                else:
-                    if const_expr(not self.gated):
-                        if const_expr(self.activation is not None and not self.derivative):
-                            for v in cutlass.range_constexpr(cute.size(sub_acc)):
-                                sub_acc[v] = activate(self._rounded(sub_acc[v]), self.activation)
-                        sub_out.store(sub_acc.load().to(self.d_dtype))
-                        self._store_subtile(r2s, sub_out, r2s_sd, sd, stores % EPILOGUE_BUFFERS, tma_d, bsd, bgd, d,
-                                            sub, whole_tile, rows_left, tile_start, n_tile * self.tile_mnk[1], tidx,
-                                            store_warp, store_pipe, epi_barrier)
-                        stores = stores + 1
-            if const_expr(deferred > 0):
-                # The buffers are written and the bias read: the next tile may stage its own.
-                epi_barrier.arrive_and_wait()
-                pending, p_start, p_rows, p_ntile = Int32(1), tile_start, rows_left, n_tile
+                    self._store_subtile(r2s, sub_out, r2s_sd, sd, stores % EPILOGUE_BUFFERS, tma_d, bsd, bgd, d, sub,
+                                        whole_tile, rows_left, tile_start, n_tile * self.tile_mnk[1], tidx,
+                                        store_warp, store_pipe, epi_barrier)
+                    stores = stores + 1
             if const_expr(self.gated):
                 if const_expr(self.derivative):
                     self._gate_gradients(acc, gated, out_coords, preact, tile_start, n_tile * self.out_tile_n,
@@ -538,59 +500,7 @@ class HopperGemm:
             cursor, valid, group, a_row, tile_start, rows_left, n_tile, k_start, k_len, k_lead = self._tile(
                 cu_seqlens, num_groups, total_rows, total_k, item, cursor, n_clusters, cta_m, cta_n
             )
-        if const_expr(deferred > 0):
-            if pending != 0:  # the last tile's deferred subtiles, with no main loop left to hide them
-                pbsd, pbgd = self._tma_subtiles(tma_d, td, sd, p_start, p_ntile, self.out_tile_n)
-                for j in cutlass.range_constexpr(deferred):
-                    stores = self._finish_deferred(j, deferred, sd, stores, tma_d, pbsd, pbgd, d, p_rows, p_start,
-                                                   p_ntile, tidx, store_warp, store_pipe, epi_barrier)
         store_pipe.producer_tail()
-
-    def _deferred_subtiles(self, stores_preact: bool) -> int:
-        """How many of a tile's subtiles the next tile's main loop finishes:
-        half of them (as many as the shared buffers hold) for a plain forward
-        activation that stores no pre-activation, else none."""
-        if self.activation is None or self.gated or self.derivative or stores_preact or self.varlen_k:
-            return 0
-        return min(self.tile_mnk[1] // EPILOGUE_N // 2, EPILOGUE_BUFFERS)
-
-    def _rounded(self, x):
-        """An fp32 value rounded to D's dtype (the pre-activation an activation reads)."""
-        return x.to(self.d_dtype).to(cutlass.Float32) if const_expr(self.d_dtype.width < 32) else x
-
-    @cute.jit
-    def _finish_deferred(self, j: int, deferred: int, sd, stores, tma_d, bsd, bgd, d, rows_left, tile_start, n_tile,
-                         tidx, store_warp, store_pipe, epi_barrier):
-        """Deferred subtile ``j`` of the last tile: activated in its shared
-        buffer (the next in turn) and stored.  Returns ``stores`` + 1."""
-        buffer = stores % EPILOGUE_BUFFERS
-        self._activate_in_place(sd[None, None, buffer], tidx)
-        sub = self.tile_mnk[1] // EPILOGUE_N - deferred + j
-        self._publish_subtile(sd, buffer, tma_d, bsd, bgd, d, sub, rows_left >= self.tile_mnk[0], rows_left,
-                              tile_start, n_tile * self.tile_mnk[1], tidx, store_warp, store_pipe, epi_barrier)
-        return stores + 1
-
-    @cute.jit
-    def _activate_in_place(self, sd_buffer, tidx):
-        """act of every value of a shared buffer, in fp32, 16 bytes per load and
-        store, each consumer thread a share (any share will do: elementwise)."""
-        vec = 128 // self.d_dtype.width
-        lanes_n = EPILOGUE_N // vec
-        copy = cute.make_tiled_copy_tv(
-            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.d_dtype, num_bits_per_copy=128),
-            cute.make_layout((self.consumer_threads // lanes_n, lanes_n), stride=(lanes_n, 1)),
-            cute.make_layout((1, vec)),
-        )
-        values = copy.get_slice(tidx).partition_S(sd_buffer)
-        frag = cute.make_rmem_tensor_like(values[None, 0, 0])
-        wide = cute.make_rmem_tensor(frag.shape, cutlass.Float32)
-        for i in cutlass.range_constexpr(cute.size(values, mode=[1])):
-            for j in cutlass.range_constexpr(cute.size(values, mode=[2])):
-                cute.copy(copy, values[None, i, j], frag)
-                for e in cutlass.range_constexpr(cute.size(frag)):
-                    wide[e] = activate(frag[e].to(cutlass.Float32), self.activation)
-                frag.store(wide.load().to(self.d_dtype))
-                cute.copy(copy, frag, values[None, i, j])
 
     @cute.jit
     def _stage_bias(self, bias, sbias, col0, n, tidx):
@@ -619,14 +529,6 @@ class HopperGemm:
         ``tile_col``): through shared ``buffer``, stored whole by TMA or row by
         row (a partial tile)."""
         cute.copy(r2s, values, r2s_sd[None, None, None, buffer])
-        self._publish_subtile(sd, buffer, tma, bs, bg, g, sub, whole_tile, rows_left, tile_start, tile_col, tidx,
-                              store_warp, store_pipe, epi_barrier)
-
-    @cute.jit
-    def _publish_subtile(self, sd, buffer, tma, bs, bg, g, sub, whole_tile, rows_left, tile_start, tile_col, tidx,
-                         store_warp, store_pipe, epi_barrier):
-        """Shared ``buffer``, once every consumer thread has written it, to
-        subtile ``sub`` of ``g``: whole by TMA, or row by row (a partial tile)."""
         cute.arch.fence_proxy("async.shared", space="cta")
         epi_barrier.arrive_and_wait()
         if whole_tile:

@@ -179,13 +179,11 @@ def test_epilogue(case):
                       matrix.random_cotangents)
 
 
-# Enough tiles that every CTA runs several: a forward activation epilogue
-# leaves the second half of each tile to the next tile's main loop (one
-# subtile per K step: K = 1096), or to the end of it where the loop is
-# shorter than that half (K = 136), and the last tile's to the kernel's end.
-# N = 2184 leaves a last N tile whose first deferred subtile is partial;
-# N = 120 takes 128-column tiles (two deferred subtiles); grouped rows give
-# partial tiles (stored row by row), the short groups first or last.
+# Enough tiles that every CTA runs several (each stages its tile's bias
+# columns in shared memory once the last tile's epilogue has read its own),
+# over K of one to many steps; N = 2184 leaves a partial last N tile,
+# N = 120 takes 128-column tiles; grouped rows give partial tiles (stored row
+# by row), the short groups first or last; fp16 inputs and an fp32 output.
 TABLE_EPILOGUE_TILES = {
     "activation": ["gelu_tanh", "silu", "relu_sq"],
     "grouping": ["dense", "varlen_tiny", "varlen_tiny_last"],
