@@ -181,8 +181,8 @@ dsl_imported = "cutlass" in sys.modules
 import cutlass.cute; t8 = time.perf_counter()
 s = cache.stats()
 assert s["compiles"] == 0
-later = {k: s[k] - first[k] for k in ("verify_seconds", "load_seconds", "runtime_create_seconds",
-                                      "runtime_function_seconds")}
+later = dict((k, s[k] - first[k]) for k in ("verify_seconds", "load_seconds", "runtime_create_seconds",
+                                             "runtime_function_seconds"))
 print(json.dumps(dict(import_torch=t1 - t0, import_quack=t2 - t1, cuda_context=t3 - t2, import_family=t4 - t3,
                       first_call=t6 - t5, second_call=t7 - t6, dsl_imported=dsl_imported, import_dsl=t8 - t7,
                       loads=sum(v for k, v in first["hits"].items() if k != "memory"),
