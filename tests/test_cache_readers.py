@@ -24,17 +24,17 @@ def fake(cache_env, monkeypatch):
 def _vanishing_object(monkeypatch):
     """The object file disappears between the sidecar read and its own (a
     prune or clear that won the race)."""
-    real = Path.read_bytes
+    real = store.read_bounded
 
-    def read_bytes(self):
-        if self.suffix == ".o":
+    def read_bounded(path, *args, **kwargs):
+        if path.suffix == ".o" and not path.parent.name.startswith("."):  # an entry, not an export's temporary
             # maintenance.remove runs now: sidecar, then object.
-            self.with_suffix(".json").unlink()
-            self.unlink()
-            raise FileNotFoundError(2, "No such file or directory", str(self))
-        return real(self)
+            path.with_suffix(".json").unlink()
+            path.unlink()
+            raise FileNotFoundError(2, "No such file or directory", str(path))
+        return real(path, *args, **kwargs)
 
-    monkeypatch.setattr(Path, "read_bytes", read_bytes)
+    monkeypatch.setattr(store, "read_bounded", read_bounded)
 
 
 def test_an_entry_removed_under_a_reader_is_a_miss_not_a_bad_entry(fake, monkeypatch, caplog):
@@ -66,7 +66,7 @@ def test_prune_dry_run_names_exactly_what_prune_removes(fake, capsys):
     size = sum(e.size for e in maintenance.scan(layer))
     bound = size // 2
     oldest = min(maintenance.scan(layer), key=lambda e: e.last_use)
-    with maintenance._try_key_lock(layer, oldest.family, oldest.keyhash) as locked:  # a writer holds it
+    with store.try_key_lock(layer, oldest.family, oldest.keyhash) as locked:  # a writer holds it
         assert locked
         cli.main(["prune", "--max-size", str(bound), "--dry-run", "--json"])
         planned = [e["key"] for e in json.loads(capsys.readouterr().out)["removed"]]
@@ -86,15 +86,15 @@ def test_a_removal_in_one_layer_does_not_hide_another_layers_copy(fake, monkeypa
     quack.cache.clear()
     monkeypatch.setenv("QUACK_CACHE_PATH", str(readonly))
     monkeypatch.setenv("QUACK_CACHE_STRICT", "1")
-    real = Path.read_bytes
+    real = store.read_bounded
 
-    def read_bytes(self):
-        if self.suffix == ".o" and readonly in self.parents:
-            self.with_suffix(".json").unlink()
-            self.unlink()
-            raise FileNotFoundError(2, "No such file or directory", str(self))
-        return real(self)
+    def read_bounded(path, *args, **kwargs):
+        if path.suffix == ".o" and readonly in path.parents:
+            path.with_suffix(".json").unlink()
+            path.unlink()
+            raise FileNotFoundError(2, "No such file or directory", str(path))
+        return real(path, *args, **kwargs)
 
-    monkeypatch.setattr(Path, "read_bytes", read_bytes)
+    monkeypatch.setattr(store, "read_bounded", read_bounded)
     assert compile_fake(9) is not None
     assert quack.cache.stats()["hits"] == {"writable": 1}

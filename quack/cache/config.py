@@ -17,6 +17,9 @@ Variable               Type        Meaning (default)
 ``QUACK_CACHE_MAX_SIZE`` size      After each export, evict least recently used entries
                                    of the writable layer down to this size, e.g. ``2G``
                                    (no bound). See :func:`parse_size`.
+``QUACK_CACHE_LOCK_TIMEOUT`` seconds  How long to wait for another process exporting the
+                                   same kernel before giving up with an error naming
+                                   its lock file and pid (``300``).
 =====================  ==========  =====================================================
 """
 
@@ -88,6 +91,29 @@ def _max_size(raw: str) -> int | None:
 def max_cache_size() -> int | None:
     """``QUACK_CACHE_MAX_SIZE`` in bytes, or None (unset or unreadable: warned once)."""
     return _max_size(os.environ.get("QUACK_CACHE_MAX_SIZE", ""))
+
+
+DEFAULT_LOCK_TIMEOUT = 300.0
+
+
+def lock_timeout() -> float:
+    """``QUACK_CACHE_LOCK_TIMEOUT`` in seconds (unset or unreadable: the default, warned once)."""
+    return _lock_timeout(os.environ.get("QUACK_CACHE_LOCK_TIMEOUT", ""))
+
+
+@functools.lru_cache(maxsize=8)
+def _lock_timeout(raw: str) -> float:
+    if not raw.strip():
+        return DEFAULT_LOCK_TIMEOUT
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = -1.0
+    if not seconds >= 0:
+        logging.getLogger("quack.cache").warning(
+            "ignoring QUACK_CACHE_LOCK_TIMEOUT=%r (expected seconds, e.g. 300)", raw)
+        return DEFAULT_LOCK_TIMEOUT
+    return seconds
 
 
 def current_arch() -> str:

@@ -15,6 +15,9 @@ since exporting is its job). A failed export (full
 disk) is warned once and the freshly compiled kernel is used uncached;
 compile-only mode raises, as its job is the export. None of this runs on a
 memory hit.
+
+Threads: compiles are serialised across the process (``native.DSL_LOCK``: the
+DSL is not thread-safe); memory hits, loads and launches run concurrently.
 """
 
 from __future__ import annotations
@@ -31,9 +34,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from . import native, stats
+from . import maintenance, native, stats
 from .config import CacheConfig, read_config
 from .errors import CacheError, CacheMissError
+from .files import UnsafeFile
 from .handle import KernelHandle, _noop_kernel
 from .key import function_prefix, key_hash, object_key
 from .launcher import FastLauncher
@@ -42,9 +46,9 @@ from .source_hash import record_imported
 from .launcher import parse_abi
 from .store import (
     ExportError,
+    summary,
     Layer,
     key_lock,
-    remove_entries,
     touch_last_use,
     verify_entry,
     write_entry,
@@ -57,6 +61,8 @@ _MEMORY: dict[str, KernelHandle] = {}  # keyhash -> loaded or freshly compiled h
 _ENSURED: set[tuple[Path, str]] = set()  # (writable root, keyhash) known on disk, compile-only
 _WARNED: set[tuple[str, str, str]] = set()  # (layer, keyhash, problem) already logged
 _LOCK = threading.Lock()
+# Writable layer root -> bytes it held at its last scan plus this process's exports since.
+_LAYER_BYTES: dict[Path, int] = {}
 # (compile function, args, kwargs) -> handle: the per-call fast path.  Binding
 # the signature and hashing the key costs tens of microseconds; a kernel
 # launch must not pay that on every call.  The knobs (QUACK_ARCH, layers) are
@@ -228,11 +234,7 @@ def _probe(
         return _noop_kernel
     start = time.perf_counter()
     try:
-        handle = native.load_object(
-            layer.object_path(req.family, req.keyhash), req.prefix, req.keyhash, verdict.sidecar["abi"]
-        )
-    except FileNotFoundError:  # removed since it was verified: a miss
-        return None
+        handle = native.load_object(verdict.data, req.prefix, req.keyhash, verdict.sidecar["abi"])
     except Exception as exc:  # any load failure is a miss, never a crash
         if report:
             _report_bad(layer, req, f"load failed ({type(exc).__name__}: {exc})")
@@ -258,7 +260,7 @@ def _compile(req: Request, *, load: bool) -> Callable[..., Any]:
     with contextlib.ExitStack() as locked:
         try:
             locked.enter_context(key_lock(layer, req.family, req.keyhash))
-        except OSError as exc:  # no lock file possible: full disk, read-only file system
+        except (OSError, UnsafeFile) as exc:  # no lock file possible: full disk, read-only, unsafe folder
             error = ExportError(f"cannot lock {layer.lock_path(req.family, req.keyhash)}: {exc}")
             return _compile_uncached(req, error, load=load)
         handle = _probe(layer, req, load=load, report=False)
@@ -266,7 +268,8 @@ def _compile(req: Request, *, load: bool) -> Callable[..., Any]:
             stats.record_hit(layer.label)
             return handle
         start = time.perf_counter()
-        compiled = req.compile()
+        with native.DSL_LOCK:
+            compiled = req.compile()
         stats.record("compile")
         try:
             abi = write_entry(
@@ -316,7 +319,8 @@ def _compile_uncached(
             log.warning("%s; using the compiled kernel without caching it", error)
     if compiled is None:
         start = time.perf_counter()
-        compiled = req.compile()
+        with native.DSL_LOCK:
+            compiled = req.compile()
         stats.record("compile")
         stats.record_seconds("compile", time.perf_counter() - start)
     abi = error.abi if error is not None else None
@@ -332,21 +336,40 @@ def _abi_of(compiled: Any, req: Request) -> list:
         with tempfile.TemporaryDirectory(prefix="quack-abi-") as tmp:
             native.export_object(compiled, Path(tmp), req.keyhash, req.prefix)
             return parse_abi((Path(tmp) / f"{req.keyhash}.h").read_text(), req.prefix)
-    except OSError as exc:
-        raise CacheError(f"cannot use {req.function} uncached: exporting it failed ({exc})") from exc
+    except Exception as exc:  # the DSL wraps OS errors (a full disk) in its own
+        raise CacheError(f"cannot use {req.function} uncached: exporting it failed ({summary(exc)})") from exc
 
 
 def _bound_size(layer: Layer, req: Request) -> None:
-    """``QUACK_CACHE_MAX_SIZE``: evict least recently used entries after an export."""
-    from . import maintenance
+    """``QUACK_CACHE_MAX_SIZE``: evict least recently used entries after an export.
 
+    The layer is scanned on the process's first export and then only when the
+    bytes it is known to hold (that scan's total plus this process's exports
+    since) pass the bound: an export does not pay a walk of the whole layer.
+    """
+    bound = req.config.max_size
+    known = _LAYER_BYTES.get(layer.root)
+    if known is not None:
+        known += _entry_bytes(layer, req)
+        _LAYER_BYTES[layer.root] = known
+        if known <= bound:
+            return
     try:
-        removed, _ = maintenance.prune(layer, req.config.max_size, keep=[(req.family, req.keyhash)])
-    except OSError as exc:
+        removed, left = maintenance.prune(layer, bound, keep=[(req.family, req.keyhash)])
+    except (OSError, CacheError) as exc:
         log.warning("could not bound the cache %s to QUACK_CACHE_MAX_SIZE: %s", layer.root, exc)
         return
+    _LAYER_BYTES[layer.root] = left
     if removed:
         log.info("evicted %d entries from %s (QUACK_CACHE_MAX_SIZE)", len(removed), layer.root)
+
+
+def _entry_bytes(layer: Layer, req: Request) -> int:
+    total = 0
+    for path in (layer.object_path(req.family, req.keyhash), layer.sidecar_path(req.family, req.keyhash)):
+        with contextlib.suppress(OSError):
+            total += path.stat().st_size
+    return total
 
 
 def _report_bad(layer: Layer, req: Request, problem: str) -> None:
@@ -375,16 +398,20 @@ def clear(*, disk: bool = False) -> None:
     """Forget in-process handles (the ops' fast-path closures too), warnings and stats (not the source hashes
     of imported modules: they describe the code this process runs).
 
-    With ``disk=True`` also delete every entry of the current writable layer.
+    With ``disk=True`` also delete every entry of the current writable layer:
+    its entries and the cache's own temporaries, nothing else (see
+    ``maintenance.clear``); a layer that fails the trust check raises
+    ``CacheError`` and is left as it is.
     """
     with _LOCK:
         _MEMORY.clear()
         _RECENT.clear()
         _ENSURED.clear()
         _WARNED.clear()
+        _LAYER_BYTES.clear()
     stats.reset()
     fastpath = sys.modules.get("quack.cache.fastpath")  # the ops' closures hold loaded handles
     if fastpath is not None:
         fastpath.clear()
     if disk:
-        remove_entries(Layer(read_config().writable_dir, "writable", True))
+        maintenance.clear(Layer(read_config().writable_dir, "writable", True))

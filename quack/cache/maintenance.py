@@ -12,25 +12,31 @@ and sha256 (and the sidecar its own checksum, when it has one).
 Last use of an entry is its object's mtime: set by the export and touched on
 each load from the writable layer (once per key and process). Removal takes
 the key's lock without waiting; an entry whose lock is held (being exported
-right now) is skipped. Lock files themselves stay: removing one that another
-process waits on would let two writers in.
+right now) is skipped.
+
+Removal touches only what the cache writes: the ``<keyhash>.o`` and
+``<keyhash>.json`` files of entries and its own export temporaries, in a
+writable layer that passes the trust check (``CacheError`` otherwise). Any
+other file or folder under the layer stays, whatever its name.
 """
 
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import os
 import re
 import shutil
+import stat
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Iterable
 
+from .errors import CacheError
+from .files import MAX_OBJECT_BYTES, MAX_SIDECAR_BYTES, UnsafeFile, read_bounded
 from .key import CACHE_FORMAT_VERSION, function_prefix, key_hash
-from .store import Layer, object_problem, sidecar_problem
+from .store import Layer, object_problem, sidecar_problem, try_key_lock, writable_problem
 
 KEYHASH = re.compile(r"[0-9a-f]{32}")
 FAMILY = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
@@ -56,12 +62,16 @@ class Entry:
         return f"{self.family}/{self.keyhash}"
 
 
-def scan(layer: Layer) -> list[Entry]:
+def scan(layer: Layer, *, read_sidecars: bool = True) -> list[Entry]:
     """Every entry of a layer, sorted by family and key hash. Never raises for a
-    missing or unreadable layer (an empty list); files are not verified."""
+    missing or unreadable layer (an empty list); files are not verified.
+    ``read_sidecars``: parse each sidecar into ``Entry.meta`` (bounded reads of
+    regular files only; pruning needs sizes and times alone)."""
     entries: dict[tuple[str, str], Entry] = {}
     try:
-        families = sorted(p for p in layer.root.iterdir() if p.is_dir() and FAMILY.fullmatch(p.name))
+        families = sorted(
+            p for p in layer.root.iterdir() if FAMILY.fullmatch(p.name) and p.is_dir() and not p.is_symlink()
+        )
     except OSError:
         return []
     for family_dir in families:
@@ -75,9 +85,11 @@ def scan(layer: Layer) -> list[Entry]:
                 continue
             path = family_dir / name
             try:
-                st = path.lstat()
+                st = path.stat()  # through a link: read-only layers may be symlink trees (Bazel)
             except OSError:
                 continue
+            if not stat.S_ISREG(st.st_mode):
+                continue  # a FIFO, device or folder: not something the cache wrote
             entry = entries.setdefault((family_dir.name, stem), Entry(layer, family_dir.name, stem))
             entry.size += st.st_size
             if suffix == "o":
@@ -86,12 +98,12 @@ def scan(layer: Layer) -> list[Entry]:
             else:
                 entry.sidecar = path
                 entry.last_use = entry.last_use or st.st_mtime
-    for entry in entries.values():
+    for entry in entries.values() if read_sidecars else ():
         if entry.sidecar is not None:
             try:
-                meta = json.loads(entry.sidecar.read_text())
+                meta = json.loads(read_bounded(entry.sidecar, MAX_SIDECAR_BYTES))
                 entry.meta = meta if isinstance(meta, dict) else None
-            except (OSError, ValueError):
+            except (OSError, ValueError, UnsafeFile):
                 pass
     return [entries[k] for k in sorted(entries)]
 
@@ -112,8 +124,8 @@ def check(entry: Entry, *, confine: bool = True) -> str:
             if not Path(os.path.realpath(path)).is_relative_to(root):
                 return "entry resolves outside its layer"
     try:
-        meta = json.loads(entry.sidecar.read_text())
-    except (OSError, ValueError) as exc:
+        meta = json.loads(read_bounded(entry.sidecar, MAX_SIDECAR_BYTES, private=entry.layer.writable))
+    except (OSError, ValueError, UnsafeFile) as exc:
         return f"sidecar unreadable ({exc})"
     problem = sidecar_problem(meta)
     if problem:
@@ -130,37 +142,27 @@ def check(entry: Entry, *, confine: bool = True) -> str:
     if meta.get("function_prefix") != function_prefix(entry.family, entry.keyhash):
         return "sidecar function prefix does not match the key"
     try:
-        data = entry.object.read_bytes()
-    except OSError as exc:
+        data = read_bounded(entry.object, MAX_OBJECT_BYTES, private=entry.layer.writable)
+    except (OSError, UnsafeFile) as exc:
         return f"object unreadable ({exc})"
     return object_problem(meta, data)
 
 
-@contextlib.contextmanager
-def _try_key_lock(layer: Layer, family: str, keyhash: str) -> Iterator[bool]:
-    """The key's lock without waiting: yields False when another process holds it."""
-    try:
-        fd = os.open(layer.lock_path(family, keyhash), os.O_RDWR | os.O_CREAT, 0o600)
-    except OSError:
-        yield True  # no lock file possible (read-only directory): nobody can hold it either
-        return
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            yield False
-            return
-        yield True
-    finally:
-        os.close(fd)
+def check_removable(layer: Layer) -> None:
+    """Raise unless ``layer`` is a writable layer that passes the trust check:
+    removing files anywhere else could delete what is not the cache's."""
+    if not layer.writable:
+        raise ValueError(f"{layer.root} is a read-only layer")
+    problem = writable_problem(layer.root)
+    if problem:
+        raise CacheError(f"{problem}; nothing was removed")
 
 
 def remove(entry: Entry) -> bool:
     """Delete an entry of a writable layer (sidecar first, so a reader sees a
     miss, never an object passing as valid). False if its key is locked."""
-    if not entry.layer.writable:
-        raise ValueError(f"{entry.layer.root} is a read-only layer")
-    with _try_key_lock(entry.layer, entry.family, entry.keyhash) as locked:
+    check_removable(entry.layer)
+    with try_key_lock(entry.layer, entry.family, entry.keyhash) as locked:
         if not locked:
             return False
         for path in (entry.sidecar, entry.object):
@@ -172,7 +174,7 @@ def remove(entry: Entry) -> bool:
 
 def _removable(entry: Entry) -> bool:
     """Whether ``remove`` would delete the entry now (its key is not locked)."""
-    with _try_key_lock(entry.layer, entry.family, entry.keyhash) as locked:
+    with try_key_lock(entry.layer, entry.family, entry.keyhash) as locked:
         return bool(locked)
 
 
@@ -186,6 +188,7 @@ def prune(
     the same walk, removing nothing (an entry whose key is locked right now
     is skipped in both).
     """
+    check_removable(layer)
     keep = set(keep)
     entries = scan(layer)
     total = sum(e.size for e in entries)
@@ -202,33 +205,30 @@ def prune(
 
 
 def clear(layer: Layer) -> list[Entry]:
-    """Remove every entry of a writable layer, stale temporary directories and
-    unheld lock files; returns the removed entries."""
-    removed = [e for e in scan(layer) if remove(e)]
+    """Remove every entry of a writable layer and the cache's stale temporary
+    directories (nothing else); returns the removed entries."""
+    check_removable(layer)
+    removed = [e for e in scan(layer, read_sidecars=False) if remove(e)]
     remove_stale_temps(layer, max_age=0.0)
-    for lock in sorted(layer.root.glob("*/*.lock")) if layer.root.is_dir() else []:
-        family, keyhash = lock.parent.name, lock.stem
-        with _try_key_lock(layer, family, keyhash) as locked:
-            if locked:
-                with contextlib.suppress(OSError):
-                    lock.unlink()
     return removed
 
 
 def remove_stale_temps(layer: Layer, max_age: float = STALE_TEMP_SECONDS) -> list[Path]:
-    """Delete export temp directories (``<family>/.<keyhash>.*``) older than ``max_age`` s."""
+    """Delete export temp directories (``<family>/.<keyhash>.*``, ours) older than ``max_age`` s."""
+    check_removable(layer)
     removed = []
     now = time.time()
     for tmp in sorted(layer.root.glob("*/.*")) if layer.root.is_dir() else []:
         keyhash = tmp.name[1:33]
         try:
-            if not KEYHASH.fullmatch(keyhash) or not tmp.is_dir() or tmp.is_symlink():
+            st = tmp.lstat()
+            if not (KEYHASH.fullmatch(keyhash) and tmp.name[33:34] == "." and FAMILY.fullmatch(tmp.parent.name)):
                 continue
-            if now - tmp.stat().st_mtime < max_age:
+            if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or now - st.st_mtime < max_age:
                 continue
         except OSError:
             continue
-        with _try_key_lock(layer, tmp.parent.name, keyhash) as locked:
+        with try_key_lock(layer, tmp.parent.name, keyhash) as locked:
             if locked:  # else an export is writing it right now
                 shutil.rmtree(tmp, ignore_errors=True)
                 removed.append(tmp)

@@ -9,6 +9,11 @@ beside the DSL's package without importing it): a process that only loads
 cached objects never imports the DSL's Python package.  Where that library
 is missing or refuses an object, the DSL's own ``load_module`` loads it
 (with a one-time notice).  Loaded modules stay loaded for the process.
+
+The DSL's Python package is not thread-safe (its compiler keeps per-process
+state: two threads compiling at once crash or corrupt each other), so every
+call into it holds ``DSL_LOCK``; loads through the C loader and launches do
+not need it and stay concurrent.
 """
 
 from __future__ import annotations
@@ -17,6 +22,8 @@ import ctypes
 import functools
 import logging
 import os
+import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -27,6 +34,8 @@ from .launcher import FastLauncher, RuntimeFunction
 
 log = logging.getLogger("quack.cache")
 RUNTIME_LIBRARY = key.RUNTIME_LIBRARY
+# Held by every call into the DSL's Python package: compile, export, load_module.
+DSL_LOCK = threading.RLock()
 
 
 @functools.lru_cache(maxsize=None)
@@ -41,13 +50,15 @@ def _load_runtime_globally() -> None:
 
 def export_object(compiled: Any, directory: Path, name: str, prefix: str) -> None:
     """Write ``directory/name.o`` (and ``name.h``) with symbols prefixed ``prefix``."""
-    _load_runtime_globally()
-    compiled.export_to_c(str(directory), name, prefix)
+    with DSL_LOCK:
+        _load_runtime_globally()
+        compiled.export_to_c(str(directory), name, prefix)
 
 
-def load_object(path: Path, prefix: str, keyhash: str, abi: list) -> KernelHandle:
-    """Load an exported object and wrap its host entry point, with the
-    argument layout ``abi`` that the sidecar recorded at export.
+def load_object(data: bytes, prefix: str, keyhash: str, abi: list) -> KernelHandle:
+    """Load an exported object from its bytes (those its sidecar verified) and
+    wrap its host entry point, with the argument layout ``abi`` that the
+    sidecar recorded at export.
 
     Through the runtime's C loader where it works (``FastLauncher`` calls
     the function through ``CuteDSLRT_Function_Run``).  Otherwise
@@ -56,16 +67,21 @@ def load_object(path: Path, prefix: str, keyhash: str, abi: list) -> KernelHandl
     ``JitCompiledFunction``, whose entry point ``FastLauncher`` calls
     directly after the first launch.
     """
-    data = path.read_bytes()  # FileNotFoundError: removed since it was verified (a miss)
     runtime = _runtime()
     if runtime is not None:
         function = _load_with_runtime(runtime, data, prefix)
         if function is not None:
             return KernelHandle(FastLauncher(None, abi, runtime=function), keyhash)
-    import cutlass.cute as cute
+    with DSL_LOCK:
+        import cutlass.cute as cute
 
-    module = cute.runtime.load_module(str(path))
-    return KernelHandle(FastLauncher(module[prefix], abi), keyhash, owner=module)
+        # load_module reads a path: a private copy of the verified bytes, never the
+        # entry itself, kept (with the module) as long as the handle.
+        folder = tempfile.TemporaryDirectory(prefix="quack-load-")
+        copy = Path(folder.name) / f"{keyhash}.o"
+        copy.write_bytes(data)
+        module = cute.runtime.load_module(str(copy))
+    return KernelHandle(FastLauncher(module[prefix], abi), keyhash, owner=(module, folder))
 
 
 @functools.lru_cache(maxsize=None)

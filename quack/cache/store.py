@@ -14,21 +14,26 @@ prefix is caught as well; sidecars without it (older writers) are still read.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import json
+import logging
 import os
 import shutil
 import stat
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from . import locks
+from .config import lock_timeout
 from .errors import CacheError
+from .files import MAX_OBJECT_BYTES, MAX_SIDECAR_BYTES, UnsafeFile, ownership_problem, private_folder, read_bounded
 from .key import CACHE_FORMAT_VERSION, canonical_json
 from .launcher import parse_abi
+
+log = logging.getLogger("quack.cache")
 
 
 @dataclass(frozen=True)
@@ -99,6 +104,7 @@ class Verdict:
     state: str
     problem: str = ""
     sidecar: dict | None = None  # the parsed sidecar of an ``ok`` entry
+    data: bytes | None = field(default=None, repr=False)  # an ``ok`` entry's object: the bytes to load
 
 
 ABSENT = Verdict("absent")
@@ -113,7 +119,7 @@ def _removed(obj: Path, side: Path, wait: float = 0.05) -> bool:
     within ``wait`` seconds; a file missing for good beside the other is a
     broken entry."""
     deadline = time.monotonic() + wait
-    while obj.exists() or side.exists():
+    while os.path.lexists(obj) or os.path.lexists(side):
         if time.monotonic() > deadline:
             return False
         time.sleep(0.002)
@@ -121,22 +127,32 @@ def _removed(obj: Path, side: Path, wait: float = 0.05) -> bool:
 
 
 def verify_entry(layer: Layer, family: str, keyhash: str, key: dict[str, Any]) -> Verdict:
-    """Check an entry against ``key`` without loading it."""
+    """Check an entry against ``key`` without loading it.
+
+    An ``ok`` verdict carries the object's bytes, read once: the caller loads
+    exactly the bytes that were hashed. In the writable layer the family
+    folder and both files must be the user's own and writable by nobody else.
+    """
     obj, side = layer.object_path(family, keyhash), layer.sidecar_path(family, keyhash)
     # Both there at first and one gone when read: removed under us (a miss).
     # One missing from the start: a broken entry (bad).
-    if not obj.exists() and not side.exists():
+    if not os.path.lexists(obj) and not os.path.lexists(side):
         return ABSENT
     # Read-only roots are resolved once (config); the writable root is resolved here.
     root = layer.root if not layer.writable else Path(os.path.realpath(layer.root))
     if not all(_inside(p, root) for p in (obj, side)):
         kind = "writable" if layer.writable else "read-only"
         return Verdict("bad", f"entry resolves outside its {kind} layer")
+    private = layer.writable
+    if private:
+        problem = _family_problem(layer, family)
+        if problem:
+            return Verdict("bad", problem)
     try:
-        meta = json.loads(side.read_text())
-    except (OSError, ValueError) as exc:
-        if isinstance(exc, FileNotFoundError) and _removed(obj, side):
-            return REMOVED
+        meta = json.loads(read_bounded(side, MAX_SIDECAR_BYTES, private=private))
+    except FileNotFoundError:
+        return REMOVED if _removed(obj, side) else Verdict("bad", "sidecar missing beside its object")
+    except (OSError, ValueError, UnsafeFile) as exc:
         return Verdict("bad", f"sidecar unreadable ({exc})")
     problem = sidecar_problem(meta)
     if problem:
@@ -153,16 +169,32 @@ def verify_entry(layer: Layer, family: str, keyhash: str, key: dict[str, Any]) -
     )
     if differing:
         return Verdict("bad", "sidecar key differs in " + ", ".join(differing))
+    size = meta.get("size")
+    if type(size) is not int or not 0 < size <= MAX_OBJECT_BYTES:
+        return Verdict("bad", f"sidecar records no valid object size ({size!r})")
     try:
-        data = obj.read_bytes()
+        data = read_bounded(obj, MAX_OBJECT_BYTES, private=private, expected_size=size)
+    except FileNotFoundError:
+        return REMOVED if _removed(obj, side) else Verdict("bad", "object missing beside its sidecar")
+    except UnsafeFile as exc:
+        return Verdict("bad", f"object unusable ({exc})")
     except OSError as exc:
-        if isinstance(exc, FileNotFoundError) and _removed(obj, side):
-            return REMOVED
         return Verdict("bad", f"object unreadable ({exc})")
     problem = object_problem(meta, data)
     if problem:
         return Verdict("bad", problem)
-    return Verdict("ok", sidecar=meta)
+    return Verdict("ok", sidecar=meta, data=data)
+
+
+def _family_problem(layer: Layer, family: str) -> str:
+    """Why the writable layer's family folder may not hold trusted entries (``""``: it may)."""
+    try:
+        st = os.lstat(layer.root / family)
+    except OSError as exc:
+        return f"family folder unreadable ({exc})"
+    if not stat.S_ISDIR(st.st_mode):
+        return "family folder is not a real folder"
+    return ownership_problem(st, "family folder")
 
 
 def write_entry(
@@ -180,20 +212,28 @@ def write_entry(
     launcher (see launcher.py). The sidecar goes
     last: a reader that sees a new object with an old sidecar finds a sha256
     mismatch (a miss), never a half-written object that passes verification.
+    Files are private (0600 in a 0700 folder) whatever the umask.
 
-    Returns the argument layout (abi). A failed write (``OSError``: full disk,
-    read-only file system) raises ``ExportError`` carrying the abi if it was
-    read, and leaves no temporary files behind.
+    Returns the argument layout (abi). A failed write raises ``ExportError``
+    carrying the abi if it was read, and leaves no temporary files behind:
+    ``OSError`` (full disk, read-only file system), an unsafe family folder,
+    or an error of the exporter itself (the DSL reports a full disk as its
+    own internal error).
     """
     abi = None
     tmp = None
+    target = layer.object_path(family, keyhash)
     try:
-        family_dir = ensure_layer_dir(layer) / family
-        family_dir.mkdir(exist_ok=True)
+        family_dir = family_folder(layer, family)
         tmp = Path(tempfile.mkdtemp(prefix=f".{keyhash}.", dir=family_dir))
-        export(tmp, keyhash)
-        data = (tmp / f"{keyhash}.o").read_bytes()
-        abi = parse_abi((tmp / f"{keyhash}.h").read_text(), prefix)
+        try:
+            export(tmp, keyhash)
+        except (OSError, MemoryError):
+            raise
+        except Exception as exc:
+            raise ExportError(f"could not write cache entry {target}: the export failed ({summary(exc)})") from exc
+        data = read_bounded(tmp / f"{keyhash}.o", MAX_OBJECT_BYTES)
+        abi = parse_abi(read_bounded(tmp / f"{keyhash}.h", MAX_SIDECAR_BYTES).decode(), prefix)
         sidecar = {
             "abi": abi,
             "format": CACHE_FORMAT_VERSION,
@@ -203,42 +243,86 @@ def write_entry(
             "sha256": hashlib.sha256(data).hexdigest(),
         }
         sidecar["integrity"] = sidecar_integrity(sidecar)
-        (tmp / f"{keyhash}.json").write_text(json.dumps(sidecar, sort_keys=True, indent=1) + "\n")
-        os.replace(tmp / f"{keyhash}.o", layer.object_path(family, keyhash))
-        os.replace(tmp / f"{keyhash}.json", layer.sidecar_path(family, keyhash))
-    except OSError as exc:
+        os.chmod(tmp / f"{keyhash}.o", 0o600)
+        _write_private(tmp / f"{keyhash}.json", (json.dumps(sidecar, sort_keys=True, indent=1) + "\n").encode())
+        for name in (f"{keyhash}.o", f"{keyhash}.json"):
+            _make_room(family_dir / name)
+            os.replace(tmp / name, family_dir / name)
+    except (OSError, UnsafeFile) as exc:
         # The object may be in place without its new sidecar: readers see a
         # mismatch (a miss), and the next successful export replaces both.
-        raise ExportError(
-            f"could not write cache entry {layer.object_path(family, keyhash)}: {exc}", abi
-        ) from exc
+        raise ExportError(f"could not write cache entry {target}: {exc}", abi) from exc
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
     return abi
 
 
-@contextlib.contextmanager
-def key_lock(layer: Layer, family: str, keyhash: str) -> Iterator[None]:
-    """Exclusive ``flock`` on the key's lock file (left in place: unlinking a lock
-    file that another process is waiting on would let two processes in)."""
-    family_dir = ensure_layer_dir(layer) / family
-    family_dir.mkdir(exist_ok=True)
-    fd = os.open(layer.lock_path(family, keyhash), os.O_RDWR | os.O_CREAT, 0o600)
+def summary(exc: BaseException, lines: int = 3, width: int = 300) -> str:
+    """The first lines of an exception's message, for an error that must stay readable."""
+    text = "\n".join(str(exc).strip().splitlines()[:lines])[:width]
+    return f"{type(exc).__name__}: {text}"
+
+
+def _write_private(path: Path, data: bytes) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
     finally:
         os.close(fd)
+
+
+def _make_room(path: Path) -> None:
+    """A folder where an entry's file belongs (made by hand, or by a tool gone
+    wrong) would fail every export of that key: it is moved aside under a name
+    the cache never reads or removes, so the entry heals and nothing is lost."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if stat.S_ISDIR(st.st_mode):
+        aside = path.with_name(f".displaced-{path.name}-{os.getpid()}-{time.time_ns()}")
+        os.rename(path, aside)
+        log.warning("moved the folder %s, which stood where a cache entry belongs, to %s", path, aside)
+
+
+def family_folder(layer: Layer, family: str) -> Path:
+    """The writable layer's folder for ``family``, created private (``UnsafeFile``
+    when it is not a folder of ours)."""
+    return private_folder(ensure_layer_dir(layer) / family)
+
+
+@contextlib.contextmanager
+def key_lock(layer: Layer, family: str, keyhash: str, timeout: float | None = None) -> Iterator[None]:
+    """Hold the key's lock (see locks.py): one exporter per entry across
+    processes and threads. ``timeout`` defaults to ``QUACK_CACHE_LOCK_TIMEOUT``."""
+    path = layer.lock_path(family, keyhash)
+    with locks.hold(path, lock_timeout() if timeout is None else timeout, lambda: family_folder(layer, family)):
+        yield
+
+
+def try_key_lock(layer: Layer, family: str, keyhash: str) -> contextlib.AbstractContextManager[bool]:
+    """The key's lock without waiting: yields False while an export holds it."""
+    return locks.try_hold(layer.lock_path(family, keyhash))
 
 
 def ensure_layer_dir(layer: Layer) -> Path:
     """Create the writable layer private to this user, and refuse one others can write.
 
     Objects are native code loaded into the process: a layer another user can
-    write would let them run code as us.
+    write would let them run code as us. Missing parent folders are created
+    private too.
     """
-    layer.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+    missing = []
+    for folder in (layer.root, *layer.root.parents):
+        if os.path.lexists(folder):
+            break
+        missing.append(folder)
+    for folder in reversed(missing):
+        with contextlib.suppress(FileExistsError):
+            folder.mkdir(mode=0o700)
     check_private(layer.root)
     return layer.root
 
@@ -281,14 +365,6 @@ def touch_last_use(layer: Layer, family: str, keyhash: str) -> None:
             os.utime(layer.object_path(family, keyhash))
         except OSError:
             pass
-
-
-def remove_entries(layer: Layer) -> None:
-    """Delete every family directory of a writable layer."""
-    if layer.root.is_dir():
-        for child in layer.root.iterdir():
-            if child.is_dir():
-                shutil.rmtree(child, ignore_errors=True)
 
 
 def _inside(path: Path, root: Path) -> bool:

@@ -22,7 +22,7 @@ from quack.cache.handle import KernelHandle
 FAMILY = "test_fake"
 HEADER = "#include <cuda_runtime.h>\nint32_t cute_dsl_{prefix}_wrapper(void *module, cudaStream_t stream);\n"
 
-LOADS: list = []  # (path, intact) per load
+LOADS: list = []  # (keyhash, intact) per load
 
 
 class FakeCompiled:
@@ -52,9 +52,8 @@ def export_object(compiled, directory, name, prefix):
     Path(directory, f"{name}.h").write_text(HEADER.format(prefix=prefix))
 
 
-def load_object(path, prefix, keyhash, abi):
-    data = Path(path).read_bytes()
-    LOADS.append((str(path), data == payload(prefix)))
+def load_object(data, prefix, keyhash, abi):
+    LOADS.append((keyhash, data == payload(prefix)))
     return KernelHandle(FakeCompiled(0), keyhash)
 
 
