@@ -36,7 +36,7 @@ from typing import Iterable
 from .errors import CacheError
 from .files import MAX_OBJECT_BYTES, MAX_SIDECAR_BYTES, UnsafeFile, read_bounded
 from .key import CACHE_FORMAT_VERSION, function_prefix, key_hash
-from .store import Layer, object_problem, sidecar_problem, try_key_lock, writable_problem
+from .store import EXPORT_TEMP_MARK, Layer, object_problem, sidecar_problem, try_key_lock, writable_problem
 
 KEYHASH = re.compile(r"[0-9a-f]{32}")
 FAMILY = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
@@ -213,18 +213,32 @@ def clear(layer: Layer) -> list[Entry]:
     return removed
 
 
+def _export_temp(path: Path) -> str:
+    """The key hash of an export's temporary folder at ``path`` (``""``: not one):
+    named as ``write_entry`` names them, ours, holding nothing but that
+    export's own files."""
+    keyhash, mark = path.name[1:33], path.name[33:]
+    if not (path.name.startswith(".") and KEYHASH.fullmatch(keyhash) and mark.startswith(EXPORT_TEMP_MARK)):
+        return ""
+    st = path.lstat()
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+        return ""
+    own = {f"{keyhash}.o", f"{keyhash}.h", f"{keyhash}.json"}
+    for child in path.iterdir():
+        if child.name not in own or not stat.S_ISREG(child.lstat().st_mode):
+            return ""
+    return keyhash
+
+
 def remove_stale_temps(layer: Layer, max_age: float = STALE_TEMP_SECONDS) -> list[Path]:
-    """Delete export temp directories (``<family>/.<keyhash>.*``, ours) older than ``max_age`` s."""
+    """Delete export temp directories (see ``_export_temp``) older than ``max_age`` s."""
     check_removable(layer)
     removed = []
     now = time.time()
-    for tmp in sorted(layer.root.glob("*/.*")) if layer.root.is_dir() else []:
-        keyhash = tmp.name[1:33]
+    for tmp in sorted(layer.root.glob(f"*/.*{EXPORT_TEMP_MARK}*")) if layer.root.is_dir() else []:
         try:
-            st = tmp.lstat()
-            if not (KEYHASH.fullmatch(keyhash) and tmp.name[33:34] == "." and FAMILY.fullmatch(tmp.parent.name)):
-                continue
-            if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or now - st.st_mtime < max_age:
+            keyhash = _export_temp(tmp)
+            if not keyhash or not FAMILY.fullmatch(tmp.parent.name) or now - tmp.lstat().st_mtime < max_age:
                 continue
         except OSError:
             continue

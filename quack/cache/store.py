@@ -66,6 +66,9 @@ class ExportError(CacheError):
         self.abi = abi
 
 
+# An export's temporary folder is ``<family>/.<keyhash>.quack-export-<random>``.
+EXPORT_TEMP_MARK = ".quack-export-"
+
 # Every field a sidecar may hold; anything else means damage (a flipped bit in a name).
 SIDECAR_FIELDS = frozenset({"abi", "format", "key", "function_prefix", "size", "sha256", "integrity"})
 
@@ -225,7 +228,7 @@ def write_entry(
     target = layer.object_path(family, keyhash)
     try:
         family_dir = family_folder(layer, family)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{keyhash}.", dir=family_dir))
+        tmp = Path(tempfile.mkdtemp(prefix=f".{keyhash}{EXPORT_TEMP_MARK}", dir=family_dir))
         try:
             export(tmp, keyhash)
         except (OSError, MemoryError):
