@@ -164,10 +164,11 @@ def _forge_as(uid, obj, side, payload):
     meta["integrity"] = hashlib.sha256(canonical_json(body).encode()).hexdigest()
     pid = os.fork()
     if pid == 0:  # the other user
-        code = 1
+        code = 2
         try:
             os.setgid(uid)
             os.setuid(uid)
+            code = 1
             for path, data in ((obj, payload), (side, json.dumps(meta).encode())):
                 tmp = path.with_name(path.name + ".forged")
                 tmp.write_bytes(data)
@@ -176,7 +177,10 @@ def _forge_as(uid, obj, side, payload):
         finally:
             os._exit(code)
     _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0, "the second user could not write the entry"
+    code = os.waitstatus_to_exitcode(status)
+    if code == 2:
+        pytest.skip(f"cannot become uid {uid} here (a user namespace without it?)")
+    assert code == 0, "the second user could not write the entry"
 
 
 @needs_root
