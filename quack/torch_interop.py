@@ -1,7 +1,9 @@
 """Small bridges between torch tensors and CuTe DSL launches, shared by every family.
 
 Input validation lives here so each op checks the same things, cheaply and
-before any launch: dtype (TypeError), device, shape and layout (ValueError).
+before any launch: dtype (TypeError), device, memory a kernel can read (no
+fake tensor outside compile-only mode, no negated view), shape and layout
+(ValueError).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _ELEMENT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 _DTYPE_NAMES = {d: str(d).removeprefix("torch.") for d in (*FLOAT_DTYPES, torch.int32, torch.int64)}
 _FakeTensor = torch._subclasses.fake_tensor.FakeTensor
+_PLAIN = (torch.Tensor, torch.nn.Parameter)  # never fake: the usual inputs skip the slower isinstance
 _SM_COUNTS: dict[int, int] = {}
 # Rows are indexed with 32-bit integers in every kernel (grid, statistics,
 # targets), with headroom for the persistent backward's prefetch of the row
@@ -127,12 +130,43 @@ def check_float(name: str, t: torch.Tensor, allowed=FLOAT_DTYPES) -> None:
         raise TypeError(f"{name} has dtype {dtype_name(t.dtype)}; expected one of {names}")
 
 
-def check_cuda(name: str, t: torch.Tensor, like: torch.Tensor | None = None) -> None:
-    """``t`` is a CUDA tensor (on ``like``'s device when given)."""
+def check_cuda(name: str, t: torch.Tensor, like: torch.Tensor | None = None, op: str | None = None) -> None:
+    """``t`` is a CUDA tensor (on ``like``'s device when given) whose memory
+    a kernel can read as it is.  Refused besides: a meta tensor, and a
+    FakeTensor outside compile-only mode and tracing (a user's
+    FakeTensorMode), which have no memory (a launch would read address 0);
+    a negated view (``torch._neg_view``, the imaginary part of a conjugate
+    view), whose memory holds the values before the negation.  A conjugate
+    view is complex, a dtype no op takes.  ``op`` names the call in these
+    errors."""
     if not t.is_cuda:
+        if t.is_meta:
+            raise ValueError(_no_memory(name, "a meta tensor", op))
         raise ValueError(f"{name} must be on a CUDA device, got {t.device}")
     if like is not None and t.get_device() != like.get_device():
         raise ValueError(f"{name} is on {t.device} but the input is on {like.device}")
+    if torch.compiler.is_dynamo_compiling():
+        return  # traced on fake tensors; is_neg would break the graph
+    fake = type(t) not in _PLAIN and isinstance(t, _FakeTensor)
+    if fake and not (torch.compiler.is_compiling() or is_compile_only()):
+        raise ValueError(_no_memory(name, "a FakeTensor", op))
+    if t.is_neg():
+        raise ValueError(
+            f"{_called(op)}{name} is a negated view (is_neg()): its memory holds the values before the negation, "
+            f"which a kernel would read; pass {name}.resolve_neg()"
+        )
+
+
+def _called(op: str | None) -> str:
+    return f"{op}: " if op else ""
+
+
+def _no_memory(name: str, what: str, op: str | None) -> str:
+    return (
+        f"{_called(op)}{name} is {what}, which has no memory to launch a kernel on: pass real CUDA tensors, or "
+        "call the op inside quack.compile_only.compile_only_mode() to compile and export its kernels from fake "
+        "tensors (nothing launches there)"
+    )
 
 
 def check_contiguous(name: str, t: torch.Tensor) -> None:
@@ -207,7 +241,7 @@ def check_row_input(op: str, name: str, x: torch.Tensor, max_n: int) -> None:
     1 <= N <= ``max_n``, at most ``MAX_ROWS`` rows, on an sm_90 or newer GPU
     (the kernels use thread block clusters, DSMEM and mbarriers)."""
     check_float(name, x)
-    check_cuda(name, x)
+    check_cuda(name, x, op=op)
     check_contiguous(name, x)
     if x.dim() < 1 or x.shape[-1] == 0:
         raise ValueError(f"{name} must have shape (..., N) with N >= 1, got {tuple(x.shape)}")

@@ -113,6 +113,13 @@ static int fits(char ctype, long long v) {
     return 1;
 }
 
+/* Whether a tensor has elements: a null data pointer is only valid without any. */
+static int has_elements(const DLTensor *t) {
+    for (int32_t d = 0; d < t->ndim; d++)
+        if (t->shape[d] == 0) return 0;
+    return 1;
+}
+
 /* The tensor's DLTensor view, checked to be a torch.Tensor (what the table serves). */
 static int view(Launcher *self, PyObject *obj, Py_ssize_t index, DLTensor *out) {
     if (!PyObject_TypeCheck(obj, (PyTypeObject *)self->tensor_type)) {
@@ -122,10 +129,11 @@ static int view(Launcher *self, PyObject *obj, Py_ssize_t index, DLTensor *out) 
     return self->api->dltensor_from_py_object_no_sync((void *)obj, out);
 }
 
-/* Step 1: every field's value, with every check.  Python code may run here
- * (__float__ and __index__ of scalars, __torch_dispatch__ of a tensor
- * subclass's sizes) and let another thread run.  Returns -1 on an error, 1
- * where a tensor is on another device than the launcher's (declined). */
+/* Step 1: every field's value, with every check (a tensor with elements and
+ * a null data pointer, a fake or meta tensor, is refused).  Python code may
+ * run here (__float__ and __index__ of scalars, __torch_dispatch__ of a
+ * tensor subclass's sizes) and let another thread run.  Returns -1 on an
+ * error, 1 where a tensor is on another device than the launcher's (declined). */
 static int read_values(Launcher *self, PyObject *const *args, Scalar *values) {
     DLTensor t;
     Py_ssize_t viewed = -1; /* the argument t describes */
@@ -165,6 +173,14 @@ static int read_values(Launcher *self, PyObject *const *args, Scalar *values) {
                 if (first.device_id < 0) first = t.device;
             }
             if (f->what == DATA) {
+                if (t.data == NULL && has_elements(&t)) {
+                    PyErr_Format(PyExc_ValueError,
+                                 "quack launcher: argument %d is a tensor with elements but no memory (a null data "
+                                 "pointer: a fake or meta tensor?); nothing was launched. Launch on real CUDA "
+                                 "tensors, or warm kernels on fake ones inside quack.compile_only.compile_only_mode()",
+                                 f->arg);
+                    return -1;
+                }
                 values[i].p = (char *)t.data + t.byte_offset;
                 continue;
             }

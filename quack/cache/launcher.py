@@ -124,7 +124,14 @@ def layout(abi: list[list], present: list[bool]) -> tuple[list[tuple[int, str, s
     return placed, starts, word
 
 
-_EXPRESSIONS = {"d": "a{i}.data_ptr()", "s": "a{i}.size({dim})", "t": "a{i}.stride({dim})", "v": "a{i}", "q": "a{i}"}
+# A data pointer is checked only where it is null (``or``): a real one costs nothing more.
+_EXPRESSIONS = {
+    "d": "(a{i}.data_ptr() or _no_memory({i}, a{i}))",
+    "s": "a{i}.size({dim})",
+    "t": "a{i}.stride({dim})",
+    "v": "a{i}",
+    "q": "a{i}",
+}
 
 
 def _word_value(parts: list[tuple[str, str, int]]) -> str:
@@ -162,7 +169,7 @@ def make_packer(abi: list[list], present: list[bool]):
     lines = [f"    buf[{w}] = {_word_value(by_word[w])}" for w in sorted(by_word)]
     params = ", ".join(f"a{i}" for i in range(len(present)))
     source = f"def pack(buf, {params}):\n" + ("\n".join(lines) or "    pass") + "\n"
-    namespace = {"_f32_bits": _f32_bits, "_f64_bits": _f64_bits, "_i32": _i32}
+    namespace = {"_f32_bits": _f32_bits, "_f64_bits": _f64_bits, "_i32": _i32, "_no_memory": _no_memory}
     exec(compile(source, "<quack launcher pack>", "exec"), namespace)
     return namespace["pack"], starts, words
 
@@ -178,6 +185,19 @@ def _i32(value: int) -> int:
     if not -(2**31) <= value < 2**31:
         raise OverflowError(f"quack launcher: {value} does not fit a 32-bit argument")
     return value
+
+
+def _no_memory(index: int, tensor) -> int:
+    """The null data pointer of tensor argument ``index``, where it has no
+    elements; one with elements has no memory to launch on (a fake or meta
+    tensor) and is refused, as the C launcher refuses it."""
+    if tensor.numel():
+        raise ValueError(
+            f"quack launcher: argument {index} is a tensor with elements but no memory (a null data pointer: a "
+            "fake or meta tensor?); nothing was launched. Launch on real CUDA tensors, or warm kernels on fake "
+            "ones inside quack.compile_only.compile_only_mode()"
+        )
+    return 0
 
 
 def _f64_bits(value) -> int:
@@ -199,7 +219,9 @@ class FastLauncher:
     for absent optional tensors, as at compile time); scalars as Python
     numbers and the stream as a raw handle (``int``).  After the first call
     the C launcher (``_fastlaunch``) packs and calls; where it is not built,
-    generated Python does (``launcher_kind`` says which).
+    generated Python does (``launcher_kind`` says which).  Either refuses a
+    tensor with elements and a null data pointer (a fake or meta tensor:
+    ValueError, nothing launched), as the first call does.
 
     ``fn`` is a ``JitCompiledFunction`` (a fresh compile, or an object the
     DSL's ``load_module`` loaded), whose first call goes through the DSL;
@@ -295,7 +317,7 @@ class FastLauncher:
         then take over its executor's entry point for every later call."""
         self._check_present(args)
         specs = iter(self._abi)
-        self._fn(*[a if a is None else _dsl_value(next(specs), a) for a in args])
+        self._fn(*[a if a is None else _dsl_value(i, next(specs), a) for i, a in enumerate(args)])
         executor = getattr(self._fn, "_default_executor", None)
         if executor is None or not hasattr(executor, "_get_invoke_packed_args"):
             return  # an unknown DSL layout: stay on the slow path
@@ -408,11 +430,14 @@ def launcher_kind() -> str:
     return "C" if _c_module()[0] is not None else "ctypes"
 
 
-def _dsl_value(spec: list, arg: Any) -> Any:
-    """The DSL's own call path wants a ``CUstream``, typed scalars and tensors
-    that DLPack can export (none that require grad: a compiled graph may hand
-    the op its leaf inputs); the fast path takes raw stream handles, Python
-    numbers and data pointers."""
+def _dsl_value(index: int, spec: list, arg: Any) -> Any:
+    """Argument ``index`` as the DSL's own call path wants it: a ``CUstream``,
+    typed scalars and tensors that DLPack can export (none that require grad:
+    a compiled graph may hand the op its leaf inputs; none without memory,
+    refused as the later calls refuse them); the fast path takes raw stream
+    handles, Python numbers and data pointers."""
+    if spec[0] == "tensor" and not arg.data_ptr():
+        _no_memory(index, arg)
     if getattr(arg, "requires_grad", False):
         return arg.detach()
     if spec[0] == "stream" and isinstance(arg, int):
