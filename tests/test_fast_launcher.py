@@ -346,7 +346,8 @@ def test_threads_never_launch_with_each_others_arguments(fastlaunch, tmp_path, y
     # tensor (read after the others: a launcher that stores as it reads would
     # have stored them already), lets the other thread run.
     x = {1: torch.zeros(4), 2: torch.zeros(4)}
-    r = {v: _YieldingSizes(torch.zeros(4)) if yielding == "tensor_sizes" else torch.zeros(4) for v in x}
+    # Empty: only a tensor without elements may have a null data pointer (a wrapper subclass has no storage).
+    r = {v: _YieldingSizes(torch.zeros(0)) if yielding == "tensor_sizes" else torch.zeros(4) for v in x}
     calls = 20_000
 
     def launch(value):
