@@ -1,9 +1,17 @@
 """Cache bundles: deterministic archives, verified and safe installs."""
 
+import contextlib
+import fcntl
 import hashlib
 import io
 import json
 import os
+import re
+import shutil
+import signal
+import stat
+import subprocess
+import sys
 import tarfile
 import time
 from pathlib import Path
@@ -14,8 +22,10 @@ import quack.cache
 from cache_fixtures import fake_kernel
 from cache_fixtures.env import cache_env, compile_count  # noqa: F401  (fixture)
 from cache_fixtures.fake_kernel import FAMILY, compile_fake
-from quack.cache import cli
+from quack.cache import bundle, cli, maintenance
 from quack.cache.bundle import BundleError, install_bundle, write_bundle
+from quack.cache.key import function_prefix, key_hash
+from quack.cache.store import Layer, sidecar_integrity
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -125,12 +135,12 @@ def _good_members(fake):
         ("absolute", "unsafe name"),
         ("symlink", "not a regular file"),
         ("hardlink", "not a regular file"),
-        ("directory", "not a regular file"),
+        ("directory", "unexpected bundle member"),
         ("unexpected", "unexpected bundle member"),
         ("tampered_object", "does not match the bundle manifest"),
         ("tampered_consistently", "does not match its sidecar"),
         ("no_manifest", "no manifest.json"),
-        ("unlisted", "disagree"),
+        ("unlisted", "not listed in the manifest"),
         ("not_a_tar", "cannot read bundle"),
     ],
 )
@@ -147,7 +157,7 @@ def test_install_refuses_unsafe_or_damaged_bundles(fake, capsys, case, message):
     elif case == "hardlink":
         members.append(({"name": f"{FAMILY}/{'a' * 32}.o", "type": tarfile.LNKTYPE, "linkname": obj_name}, None))
     elif case == "directory":
-        members.append(({"name": FAMILY, "type": tarfile.DIRTYPE}, None))
+        members.append(({"name": f"{FAMILY}/sub", "type": tarfile.DIRTYPE}, None))
     elif case == "unexpected":
         members.append(({"name": f"{FAMILY}/run.sh"}, b"#!/bin/sh\n"))
     elif case == "tampered_object":
@@ -196,3 +206,194 @@ def test_bazel_target_is_declared():
     build = (REPO / "quack" / "BUILD.bazel").read_text()
     assert 'name = "warm_cache_bundle"' in build and "kernel_cache_bundle(" in build
     assert "def _kernel_cache_bundle_impl" in (REPO / "tools" / "kernel_cache.bzl").read_text()
+
+
+# --- installs: all or nothing, private, never through a link -----------------------------------
+
+def _bundle_of(fake, ns):
+    """A bundle of ``compile_fake(n)`` for each n, and the folder it was made from."""
+    src = fake.tmp / "src"
+    _fill(fake, src, ns)
+    return write_bundle([src], fake.tmp / "b.tar")["out"], src
+
+
+def _entry_files(root):
+    """{path under root: bytes} of every entry file (object or sidecar) in ``root``."""
+    return {str(p.relative_to(root)): p.read_bytes()
+            for p in sorted(root.glob("*/*")) if p.suffix in (".o", ".json") and p.is_file()}
+
+
+@pytest.mark.parametrize("where", ["family", "object", "sidecar", "lock"])
+def test_install_never_follows_a_link_in_the_target(fake, capsys, where):
+    """A symlinked family folder sent the entries elsewhere while printing "installed 3 of 3"."""
+    tar, src = _bundle_of(fake, [1])
+    [obj] = (src / FAMILY).glob("*.o")
+    into, elsewhere = fake.tmp / "into", fake.tmp / "elsewhere"
+    into.mkdir(mode=0o700)
+    elsewhere.mkdir()
+    (elsewhere / "kept").write_text("not the cache's")
+    if where == "family":
+        (into / FAMILY).symlink_to(elsewhere)
+    else:
+        (into / FAMILY).mkdir(mode=0o700)
+        suffix = {"object": ".o", "sidecar": ".json", "lock": ".lock"}[where]
+        (into / FAMILY / obj.with_suffix(suffix).name).symlink_to(elsewhere / "kept")
+    code = cli.main(["install", tar, "--into", str(into)])
+    err = capsys.readouterr().err
+    assert code == 1 and "is a symbolic link" in err and "Traceback" not in err, err
+    assert [p.name for p in elsewhere.iterdir()] == ["kept"] and (elsewhere / "kept").read_text() == "not the cache's"
+    assert not [p for p in into.rglob("*") if p.is_file() and not p.is_symlink()]
+    assert not list(into.glob(".*"))
+
+
+@pytest.mark.parametrize("umask", [0o000, 0o277])
+def test_install_creates_everything_private_whatever_the_umask(fake, umask):
+    tar, _ = _bundle_of(fake, [1, 2])
+    top = fake.tmp / "new"
+    old = os.umask(umask)
+    try:
+        result = install_bundle(tar, top / "parent" / "layer")
+    finally:
+        os.umask(old)
+    assert result["installed"] == 2
+    made = [top, *top.rglob("*")]
+    files = [p for p in made if p.is_file()]
+    assert {stat.S_IMODE(p.lstat().st_mode) for p in made if p.is_dir()} == {0o700}
+    assert {stat.S_IMODE(p.lstat().st_mode) for p in files} == {0o600} and len(files) == 4
+
+
+_KILLED_AT_FIRST_MOVE = """
+import os, signal, sys
+from quack.cache import bundle
+os.replace = lambda *args, **kwargs: os.kill(os.getpid(), signal.SIGKILL)
+bundle.install_bundle(sys.argv[1], sys.argv[2])
+"""
+
+
+def test_a_killed_install_leaves_staging_that_a_later_install_removes(fake):
+    tar, _ = _bundle_of(fake, [1])
+    into = fake.tmp / "into"
+    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    done = subprocess.run([sys.executable, "-c", _KILLED_AT_FIRST_MOVE, tar, str(into)], capture_output=True,
+                          text=True, timeout=120, env=dict(os.environ, PYTHONPATH=path))
+    assert done.returncode == -signal.SIGKILL, done.stderr
+    [killed] = into.glob(".quack-install-*")
+    assert list(killed.rglob("*.o")) and not list(into.glob("*/*.o"))  # staged, never moved
+    live = into / ".quack-install-live"  # an install still running: its lock is held
+    live.mkdir(mode=0o700)
+    lock = os.open(live / ".lock", os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    outside = fake.tmp / "outside"  # a link with a staging folder's name is not one
+    outside.mkdir()
+    (outside / "kept").write_text("not the cache's")
+    (into / ".quack-install-link").symlink_to(outside)
+    try:
+        assert install_bundle(tar, into)["installed"] == 1
+        assert killed.exists()  # recent: it could be an install that has not locked yet
+        old = time.time() - bundle.STALE_STAGING_SECONDS - 60
+        for p in (killed, live, into / ".quack-install-link"):
+            os.utime(p, (old, old), follow_symlinks=False)
+        assert install_bundle(tar, into)["already_present"] == 1
+    finally:
+        os.close(lock)
+    assert not killed.exists() and live.exists()
+    assert (into / ".quack-install-link").is_symlink() and (outside / "kept").exists()
+
+
+_INTERRUPTED_AT_THIRD_MOVE = """
+import os, signal, sys
+from quack.cache import bundle
+moves, real = [], os.replace
+def replace(*args, **kwargs):
+    real(*args, **kwargs)
+    moves.append(args)
+    if len(moves) == 3:
+        os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C with one entry and a half in place
+os.replace = replace
+try:
+    bundle.install_bundle(sys.argv[1], sys.argv[2])
+except KeyboardInterrupt:
+    sys.exit(130)
+"""
+
+
+def test_an_interrupted_install_rolls_back(fake):
+    tar, _ = _bundle_of(fake, [1, 2])
+    into = fake.tmp / "into"
+    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    done = subprocess.run([sys.executable, "-c", _INTERRUPTED_AT_THIRD_MOVE, tar, str(into)], capture_output=True,
+                          text=True, timeout=120, env=dict(os.environ, PYTHONPATH=path))
+    assert done.returncode == 130, done.stderr
+    assert _entry_files(into) == {} and not list(into.glob(".*"))
+
+
+def test_an_entry_present_but_not_private_is_replaced(fake):
+    """The cache loads only private files: an identical entry readable that way is not "present"."""
+    tar, _ = _bundle_of(fake, [1])
+    into = fake.tmp / "into"
+    install_bundle(tar, into)
+    [obj] = (into / FAMILY).glob("*.o")
+    obj.chmod(0o666)
+    assert install_bundle(tar, into)["installed"] == 1
+    assert stat.S_IMODE(obj.stat().st_mode) == 0o600
+
+
+def _in_family(obj: Path, family: str, root: Path) -> None:
+    """Copy the entry of ``obj`` into ``root`` as a valid entry of another family."""
+    meta = json.loads(obj.with_suffix(".json").read_text())
+    meta["key"]["family"] = family
+    keyhash = key_hash(meta["key"])
+    meta["function_prefix"] = function_prefix(family, keyhash)
+    meta["integrity"] = sidecar_integrity(meta)
+    (root / family).mkdir(mode=0o700)
+    (root / family / f"{keyhash}.o").write_bytes(obj.read_bytes())
+    (root / family / f"{keyhash}.json").write_text(json.dumps(meta, sort_keys=True, indent=1) + "\n")
+
+
+@contextlib.contextmanager
+def _tmpfs(path: Path, options: str):
+    """A real tmpfs at ``path`` (root only; skipped where mount is refused, as in Bazel's sandbox)."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    path.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"{options},mode=0700", "tmpfs", str(path)],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"mount refused here: {done.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+def test_a_full_disk_during_the_install_installs_nothing(fake):
+    """ENOSPC for real, on tmpfs file systems with ever more inodes: whichever step runs out
+    (staging, a family folder, a key lock), the install is all or nothing. One that fails
+    while moving rolls back what it moved (the damaged entry it replaced comes back byte for
+    byte) and says so."""
+    tar, src = _bundle_of(fake, [1, 2])
+    first = sorted((src / FAMILY).glob("*.o"))[0]
+    _in_family(first, FAMILY + "_more", src)  # its family folder is made mid-move
+    write_bundle([src], tar)
+    rolled_back, installed = [], 0
+    for inodes in range(2, 24):
+        with _tmpfs(fake.tmp / f"disk{inodes}", f"size=1m,nr_inodes={inodes}") as into:
+            try:
+                (into / FAMILY).mkdir(mode=0o700)
+                (into / FAMILY / first.name).write_bytes(b"damaged")
+                shutil.copy(first.with_suffix(".json"), into / FAMILY)
+            except OSError:
+                continue  # no room for the damaged entry itself
+            before = _entry_files(into)
+            try:
+                install_bundle(tar, into)
+            except BundleError as exc:
+                assert "No space left on device" in str(exc) and _entry_files(into) == before, (inodes, str(exc))
+                moved = re.search(r"rolled back (\d+)", str(exc))
+                rolled_back.append(int(moved.group(1)) if moved else 0)
+            else:
+                entries = maintenance.scan(Layer(into, str(into), True))
+                assert len(entries) == 3 and not [e for e in entries if maintenance.check(e)]
+                installed += 1
+            assert not list(into.glob(".quack-install-*")), inodes
+    assert installed and max(rolled_back) >= 1, (installed, rolled_back)
