@@ -9,11 +9,25 @@ The exports are bound on first use: ``import quack`` imports no kernel family
 (nor torch or the CuTe DSL), and a process that uses one family imports that
 family's modules only -- what lets a Bazel action declare exactly the modules
 it reads.
+
+Another distribution that installs a top-level ``quack`` (QuACK's
+``quack-kernels``) cannot share an environment with this one: importing
+``quack`` then raises ``ImportError`` naming both, rather than running a mix of
+the two packages' modules.
 """
 
 import importlib
+import os
 import sys
 import types
+
+# Written once: pyproject.toml reads it (setuptools' attr:, without importing the package).
+__version__ = "0.1.0"
+
+DISTRIBUTION = "quack-kernels-cached"
+
+# Distributions that install a top-level ``quack`` package of their own.
+_CLASHING_DISTRIBUTIONS = ("quack-kernels",)
 
 # Each export -> the submodule defining it.
 _EXPORTS = {
@@ -56,4 +70,55 @@ class _Package(types.ModuleType):
         return sorted(set(super().__dir__()) | set(_EXPORTS))
 
 
+def _normalized(name: str) -> str:
+    """A distribution name as its metadata folder spells it (PEP 503, ``-`` as ``_``)."""
+    return name.lower().replace("-", "_").replace(".", "_")
+
+
+def _clashing_metadata() -> list[str]:
+    """Metadata folders (``*.dist-info``, ``*.egg-info``) on ``sys.path`` of a
+    distribution in ``_CLASHING_DISTRIBUTIONS``.
+
+    Lists the path's folders by name only: ``importlib.metadata`` costs 20 times
+    what the rest of ``import quack`` does, so it is imported only once a
+    folder is found (see ``_check_no_other_owner``).
+    """
+    wanted = {_normalized(name) for name in _CLASHING_DISTRIBUTIONS}
+    found = []
+    for entry in sys.path:
+        try:
+            names = os.listdir(entry or ".")
+        except OSError:  # a zip file, a missing folder
+            continue
+        for name in names:
+            if name.endswith((".dist-info", ".egg-info")) and _normalized(name.split("-")[0].split(".")[0]) in wanted:
+                found.append(os.path.join(entry or ".", name))
+    return found
+
+
+def _check_no_other_owner() -> None:
+    """Raise ``ImportError`` if another installed distribution owns a top-level ``quack``."""
+    folders = _clashing_metadata()
+    if not folders:
+        return
+    from importlib import metadata
+    from pathlib import Path
+
+    for folder in folders:
+        other = metadata.PathDistribution(Path(folder))
+        top_level = (other.read_text("top_level.txt") or "").split()
+        files = other.files or []
+        if "quack" not in top_level and not any(f.parts[:1] == ("quack",) for f in files):
+            continue
+        name, version = other.metadata["Name"], other.version
+        raise ImportError(
+            f"two installed distributions provide the Python package 'quack': {DISTRIBUTION} "
+            f"{__version__} (this one, {os.path.dirname(__file__)}) and {name} {version} "
+            f"(metadata in {folder}): each overwrites or shadows the other's modules. Uninstall one "
+            f"(pip uninstall {name}, or pip uninstall {DISTRIBUTION}), or install them in "
+            "separate virtual environments."
+        )
+
+
+_check_no_other_owner()
 sys.modules[__name__].__class__ = _Package
