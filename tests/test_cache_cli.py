@@ -1,7 +1,9 @@
-"""`python -m quack.cache` / `quack-cache`: ls, stats, verify, prune (LRU), clear, errors."""
+"""`python -m quack.cache` / `quack-cache`: ls, stats, verify, prune (LRU), clear, show-config,
+errors, a reader that goes away."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -48,7 +50,13 @@ def test_ls_and_stats(fake, capsys):
         compile_fake(n)
     code, out, _ = _run(capsys, "ls")
     assert code == 0 and out.count("cache_fixtures.fake_kernel.compile_fake") == 3
-    assert f"# writable {fake.writable}: 3 entries" in out and '{"n":2}' in out
+    lines = out.splitlines()
+    size = sum(p.stat().st_size for p in (fake.writable / FAMILY).iterdir())
+    assert lines[0] == f"writable layer {fake.writable}: 3 entries, {cli.format_size(size)}"
+    assert lines[1].split() == ["FAMILY", "KEY", "SIZE", "LAST", "USE", "ARCH", "KERNEL", "ARGS"]
+    # One row per entry, its columns aligned under the header's.
+    assert all(line.index(FAMILY) == lines[1].index("FAMILY") for line in lines[2:])
+    assert all(line.index("sm_90a") == lines[1].index("ARCH") for line in lines[2:]) and '{"n":2}' in out
     code, out, _ = _run(capsys, "ls", "--json")
     listing = json.loads(out)
     assert code == 0 and len(listing["entries"]) == 3
@@ -61,7 +69,10 @@ def test_ls_and_stats(fake, capsys):
     assert (layer["entries"], layer["families"][FAMILY]["entries"]) == (3, 3)
     assert layer["bytes"] == sum(e["size"] for e in listing["entries"])
     code, out, _ = _run(capsys, "stats")
-    assert code == 0 and "3 entries" in out and "QUACK_CACHE_MAX_SIZE: unset" in out
+    lines = out.splitlines()
+    assert code == 0 and lines[0].split() == ["LAYER", "FAMILY", "ENTRIES", "SIZE", "LAST", "USE"]
+    assert lines[1].split()[:4] == ["writable", str(fake.writable), "(all)", "3"]
+    assert lines[2].split()[:2] == [FAMILY, "3"] and lines[-1] == "QUACK_CACHE_MAX_SIZE: unset"
 
 
 def test_verify_removes_bad_writable_entries_and_reports_readonly_ones(fake, monkeypatch, capsys):
@@ -106,7 +117,9 @@ def test_prune_evicts_least_recently_used_first(fake, capsys):
     assert code == 0 and [e["args"]["n"] for e in result["removed"]] == [1, 3, 5]
     assert len(_objects(fake.writable)) == 5
     code, out, _ = _run(capsys, "prune", "--max-size", str(2 * entry_size + 10))
-    assert code == 0 and "evicted 3 entries" in out
+    lines = out.splitlines()
+    assert code == 0 and lines[0].split() == ["FAMILY", "KEY", "SIZE", "LAST", "USE"] and len(lines) == 5
+    assert lines[-1].startswith("evicted 3 entries")
     left = sorted(json.loads(o.with_suffix(".json").read_text())["key"]["args"]["n"] for o in _objects(fake.writable))
     assert left == [2, 4]
     assert _run(capsys, "prune", "--max-size", "1G")[1].startswith("evicted 0 entries")
@@ -139,8 +152,6 @@ def test_clear(fake, capsys):
         (["frobnicate"], "invalid choice"),
         ([], "required"),
         (["ls", "--bogus"], "unrecognized arguments"),
-        (["install", "/nonexistent/b.tar"], "no such bundle"),
-        (["bundle", "--out", "x.tar", "/nonexistent/dir"], "not a directory"),
     ],
 )
 def test_bad_arguments_exit_2_with_a_message(fake, capsys, argv, message):
@@ -150,6 +161,20 @@ def test_bad_arguments_exit_2_with_a_message(fake, capsys, argv, message):
         code = exc.code
     err = capsys.readouterr().err
     assert code == 2 and message in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["install", "/nonexistent/b.tar"], "quack-cache install: error: no such bundle: /nonexistent/b.tar"),
+        (["install", "/"], "quack-cache install: error: not a file: /"),
+        (["bundle", "--out", "x.tar", "/nonexistent/dir"], "quack-cache bundle: error: not a directory: /nonexistent/dir"),
+    ],
+)
+def test_a_missing_file_is_one_line_without_the_usage(fake, capsys, argv, message):
+    # The command line was well formed: repeating its usage would suggest otherwise.
+    code = cli.main(argv)
+    assert (code, capsys.readouterr().err) == (2, message + "\n")
 
 
 def test_untrusted_writable_layer_is_flagged_and_not_modified(fake, capsys):
@@ -181,3 +206,77 @@ def test_module_entry_point_and_console_script(tmp_path):
     scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
     assert scripts["quack-cache"] == "quack.cache.cli:console_main"
     assert callable(cli.console_main)
+
+
+def _subprocess_env(tmp_path):
+    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    env = dict(os.environ, QUACK_CACHE_DIR=str(tmp_path / "c"), PYTHONPATH=path)
+    for name in ("QUACK_CACHE_MAX_SIZE", "QUACK_CACHE_PATH"):
+        env.pop(name, None)
+    return env
+
+
+@pytest.mark.parametrize("argv", [["stats"], ["ls"]])
+def test_a_reader_that_goes_away_ends_the_command_quietly(fake, argv):
+    """`quack-cache ls | head`: no "Broken pipe" error, the status of a command SIGPIPE ended."""
+    for n in range(60):  # ls: more than one buffer of output, so a write fails mid-listing too
+        compile_fake(n)
+    env = dict(_subprocess_env(fake.tmp), QUACK_CACHE_DIR=str(fake.writable))
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone before anything is written
+    try:
+        done = subprocess.run([sys.executable, "-m", "quack.cache", *argv], stdout=write, stderr=subprocess.PIPE,
+                              env=env, text=True, timeout=120)
+    finally:
+        os.close(write)
+    assert (done.returncode, done.stderr) == (141, "")
+
+
+def test_show_config_reports_versions_layers_and_settings(fake, monkeypatch, capsys):
+    import importlib.metadata
+
+    import torch
+
+    monkeypatch.setenv("QUACK_ARCH", "sm_100a")
+    monkeypatch.setenv("QUACK_CACHE_STRICT", "1")
+    monkeypatch.setenv("QUACK_CACHE_MAX_SIZE", "2G")
+    missing = fake.tmp / "missing"
+    monkeypatch.setenv("QUACK_CACHE_PATH", str(missing))
+    fake.writable.mkdir()
+    fake.writable.chmod(0o777)
+    try:
+        code, out, _ = _run(capsys, "show-config", "--json")
+        text = _run(capsys, "show-config")[1]
+    finally:
+        fake.writable.chmod(0o700)
+    config = json.loads(out)
+    assert code == 0
+    assert config["versions"]["quack-kernels-cached"] == quack.__version__
+    assert config["versions"]["torch"] == torch.__version__
+    assert config["versions"]["nvidia-cutlass-dsl"].startswith(importlib.metadata.version("nvidia-cutlass-dsl"))
+    assert (config["arch"], config["arch_from"]) == ("sm_100a", "QUACK_ARCH")
+    assert config["launcher"]["kind"] in ("C", "ctypes")
+    readonly, writable = config["layers"]
+    assert (readonly["root"], readonly["exists"], readonly["writable"]) == (str(missing), False, False)
+    assert (writable["root"], writable["writable"]) == (str(fake.writable), True)
+    assert writable["trust"].startswith("UNTRUSTED: ") and "not writable by group or others" in writable["trust"]
+    settings = config["settings"]
+    assert (settings["QUACK_CACHE_STRICT"], settings["QUACK_CACHE_MAX_SIZE"]) == (True, 2 << 30)
+    for row in (r"arch +sm_100a \(from QUACK_ARCH\)", r"strict +yes", r"max size +2\.0 GiB",
+                rf"read-only +{missing} +no +trusted: configured read-only layer",
+                rf"writable +{fake.writable} +yes +UNTRUSTED: .*"):
+        assert re.search(f"^{row}$", text, re.M), row
+
+
+def test_show_config_names_the_ctypes_launcher_where_the_c_one_is_missing(tmp_path):
+    code = """
+import sys
+sys.modules["quack.cache._fastlaunch"] = None  # as where it was never built
+from quack.cache import cli
+sys.exit(cli.main(["show-config", "--json"]))
+"""
+    done = subprocess.run([sys.executable, "-c", code], env=_subprocess_env(tmp_path), capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    launcher = json.loads(done.stdout)["launcher"]
+    assert launcher["kind"] == "ctypes" and "it is not built" in launcher["detail"]

@@ -69,9 +69,58 @@ def test_compile_only_runs_gpu_tests_and_fails_only_on_real_errors(run, pytester
     assert (pytester.path / "inner_tmp" / "reached_the_end").exists()
     result.stdout.fnmatch_lines([
         "*compile-only: kernel objects per test*",
+        "EXPORTED  ON DISK  MEMORY HITS  TEST",
         "*GPU tests called no kernel:*",
         "*test_inner.py::test_values_compared*",
         "*cannot run on fake tensors*",
+    ])
+
+
+KERNEL_TESTS = """
+import pytest
+from cache_fixtures import fake_kernel
+
+pytestmark = pytest.mark.gpu
+fake_kernel.use_fakes()
+
+def test_twice():
+    fake_kernel.compile_fake(1)
+    fake_kernel.compile_fake(1)
+
+def test_again():
+    fake_kernel.compile_fake(1)
+"""
+
+
+def test_the_report_tells_exports_entries_on_disk_and_memory_hits_apart(pytester, monkeypatch):
+    """The first run exports the kernel; the second finds it on disk; a repeated lookup in a
+    process is a memory hit, never counted as found in the cache."""
+    pytester.makepyfile(test_inner=KERNEL_TESTS)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(Path(__file__).parent), os.environ["PYTHONPATH"]]))
+    monkeypatch.setenv("QUACK_CACHE_DIR", str(pytester.path / "cache"))
+    monkeypatch.setenv("QUACK_ARCH", "sm_90a")
+    for name in ("QUACK_CACHE_PATH", "QUACK_CACHE_STRICT", "QUACK_CACHE_MAX_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+
+    def run():
+        result = pytester.runpytest_subprocess("-p", "quack.testing.pytest_plugin", "-p", "no:cacheprovider",
+                                               "--compile-only")
+        result.assert_outcomes(passed=2)
+        return result
+
+    # Columns: exported, on disk, memory hits, test.
+    run().stdout.re_match_lines([
+        r"^memory hits \(kernels this process already had\) +2$",
+        r"^exported +1$",
+        r"^ +0 +0 +1  test_inner\.py::test_again$",
+        r"^ +1 +0 +1  test_inner\.py::test_twice$",
+    ])
+    run().stdout.re_match_lines([
+        r"^memory hits \(kernels this process already had\) +2$",
+        r"^found on disk: writable +1$",
+        r"^exported +0$",
+        r"^ +0 +0 +1  test_inner\.py::test_again$",
+        r"^ +0 +1 +1  test_inner\.py::test_twice$",
     ])
 
 

@@ -7,11 +7,16 @@
     quack-cache clear                    remove every writable entry
     quack-cache bundle --out F.tar [DIR...]   one deterministic archive (default: the writable layer)
     quack-cache install F.tar [--into DIR]    verify and install a bundle (default: the writable layer)
+    quack-cache show-config              versions, arch, layers and their trust, launcher, settings
+    quack-cache --version
 
-Every command takes ``--json`` (one JSON document on stdout). Layers come from
-``QUACK_CACHE_DIR`` / ``QUACK_CACHE_PATH`` unless ``--cache-dir`` /
-``--cache-path`` are given. Exit status: 0 success, 1 the operation found or
-hit a problem (bad entries, a refused bundle), 2 bad arguments.
+Every command prints tables for people and takes ``--json`` (one JSON document
+on stdout) for scripts. Layers come from ``QUACK_CACHE_DIR`` /
+``QUACK_CACHE_PATH`` unless ``--cache-dir`` / ``--cache-path`` are given. Exit
+status: 0 success, 1 the operation found or hit a problem (bad entries, a
+refused bundle), 2 bad arguments, 141 (128 + SIGPIPE) when the reader of the
+output went away (``quack-cache ls | head``), silently. Warming a cache
+from a manifest of calls is ``python -m quack.warm`` (quack/warm.py).
 """
 
 from __future__ import annotations
@@ -20,12 +25,15 @@ import argparse
 import datetime
 import json
 import os
+import signal
 import sys
+import warnings
 from pathlib import Path
 from typing import Any, Sequence
 
+from .. import DISTRIBUTION, __version__
 from . import maintenance
-from .bundle import BundleError, install_bundle, write_bundle
+from .bundle import install_bundle, write_bundle
 from .config import _resolve_layers, _writable_dir, max_cache_size, parse_size
 from .errors import CacheError
 from .store import Layer, writable_problem
@@ -34,7 +42,7 @@ PROG = "quack-cache"
 
 
 class UsageError(Exception):
-    """A bad argument: reported like argparse's own errors, exit status 2."""
+    """A bad argument the parser could not see (a missing file): its message alone, exit status 2."""
 
 
 def _size_arg(text: str) -> int:
@@ -51,6 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--cache-path", metavar="DIRS",
                         help=f"read-only layers, '{os.pathsep}'-separated (default: QUACK_CACHE_PATH)")
     parser = argparse.ArgumentParser(prog=PROG, description="Inspect and maintain quack kernel caches.")
+    parser.add_argument("--version", action="version", version=f"{PROG} {__version__} ({DISTRIBUTION})")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     ls = sub.add_parser("ls", parents=[common], help="list entries: family, key fields, size, last use")
     ls.add_argument("--family", action="append", default=[], help="only this family (repeatable)")
@@ -68,6 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
     install = sub.add_parser("install", parents=[common], help="verify and install a bundle")
     install.add_argument("bundle", metavar="FILE.tar")
     install.add_argument("--into", metavar="DIR", help="cache directory (default: the writable layer)")
+    sub.add_parser("show-config", parents=[common],
+                   help="versions, arch, layers and their trust, launcher, settings in force")
     return parser
 
 
@@ -90,6 +101,25 @@ def format_size(n: int) -> str:
             return f"{n} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return str(n)
+
+
+def format_table(header: Sequence[str], rows: Sequence[Sequence[Any]], *, right: Sequence[int] = (),
+                 indent: str = "") -> list[str]:
+    """Lines of a plain-text table: the header, then the rows, each column as
+    wide as its widest cell; the columns numbered in ``right`` (numbers,
+    sizes) are right-aligned."""
+    cells = [[str(c) for c in header]] + [[str(c) for c in row] for row in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
+    return [
+        (indent + "  ".join(c.rjust(w) if i in right else c.ljust(w)
+                            for i, (c, w) in enumerate(zip(row, widths)))).rstrip()
+        for row in cells
+    ]
+
+
+def _print_lines(lines: Sequence[str], out) -> None:
+    for line in lines:
+        print(line, file=out)
 
 
 def _layer_info(layer: Layer) -> dict[str, Any]:
@@ -127,16 +157,24 @@ def cmd_ls(args, out) -> int:
     if args.json:
         _dump({"layers": [_layer_info(layer) for layer in layers], "entries": [_entry_info(e) for e in entries]}, out)
         return 0
-    for layer in layers:
+    for n, layer in enumerate(layers):
         mine = [e for e in entries if e.layer is layer]
         kind = "writable" if layer.writable else "read-only"
         note = _layer_note(layer)
-        print(f"# {kind} {layer.root}: {len(mine)} entries, {format_size(sum(e.size for e in mine))}{note}", file=out)
+        if n:
+            print(file=out)
+        print(f"{kind} layer {layer.root}: {len(mine)} entries, {format_size(sum(e.size for e in mine))}{note}",
+              file=out)
+        if not mine:
+            continue
+        rows = []
         for e in sorted(mine, key=lambda e: (e.family, -e.last_use, e.keyhash)):
             info = _entry_info(e)
             args_text = json.dumps(info["args"], sort_keys=True, separators=(",", ":")) if info["args"] is not None else "?"
-            print(f"{e.family:<16} {e.keyhash}  {format_size(e.size):>10}  {info['last_use'] or '-':<20}  "
-                  f"{info['arch'] or '?'}  {info['function'] or '?'} {args_text}", file=out)
+            rows.append([e.family, e.keyhash, format_size(e.size), info["last_use"] or "-", info["arch"] or "?",
+                         info["function"] or "?", args_text])
+        _print_lines(format_table(["FAMILY", "KEY", "SIZE", "LAST USE", "ARCH", "KERNEL", "ARGS"], rows,
+                                  right=[2], indent="  "), out)
     return 0
 
 
@@ -166,13 +204,15 @@ def cmd_stats(args, out) -> int:
     if args.json:
         _dump(result, out)
         return 0
+    rows = []
     for info, layer in zip(result["layers"], readonly + [writable]):
         kind = "writable" if layer.writable else "read-only"
-        print(f"{kind} {info['root']}{_layer_note(layer)}", file=out)
-        print(f"  {info['entries']} entries, {format_size(info['bytes'])}"
-              + (f", last use {info['oldest_use']} .. {info['newest_use']}" if info["entries"] else ""), file=out)
+        uses = f"{info['oldest_use']} .. {info['newest_use']}" if info["entries"] else "-"
+        rows.append([f"{kind} {info['root']}{_layer_note(layer)}", "(all)", info["entries"],
+                     format_size(info["bytes"]), uses])
         for family, f in sorted(info["families"].items()):
-            print(f"  {family}: {f['entries']} entries, {format_size(f['bytes'])}", file=out)
+            rows.append(["", family, f["entries"], format_size(f["bytes"]), ""])
+    _print_lines(format_table(["LAYER", "FAMILY", "ENTRIES", "SIZE", "LAST USE"], rows, right=[2, 3]), out)
     bound = result["max_size"]
     print(f"QUACK_CACHE_MAX_SIZE: {format_size(bound) if bound is not None else 'unset'}", file=out)
     return 0
@@ -214,8 +254,10 @@ def cmd_prune(args, out) -> int:
                "removed": [_entry_info(e) for e in removed], "freed": freed, "bytes_left": total}, out)
     else:
         verb = "would evict" if args.dry_run else "evicted"
-        for e in removed:
-            print(f"{verb} {e.family}/{e.keyhash} ({format_size(e.size)}, last use {_when(e.last_use)})", file=out)
+        if removed:
+            _print_lines(format_table(["FAMILY", "KEY", "SIZE", "LAST USE"],
+                                      [[e.family, e.keyhash, format_size(e.size), _when(e.last_use)] for e in removed],
+                                      right=[2]), out)
         print(f"{verb} {len(removed)} entries ({format_size(freed)}); {writable.root} now holds "
               f"{format_size(total)} (bound {format_size(args.max_size)})", file=out)
     return 0
@@ -250,7 +292,7 @@ def cmd_bundle(args, out) -> int:
 def cmd_install(args, out) -> int:
     path = Path(args.bundle)
     if not path.is_file():
-        raise UsageError(f"no such bundle: {path}")
+        raise UsageError(f"not a file: {path}" if path.exists() else f"no such bundle: {path}")
     into = Path(args.into).expanduser() if args.into else _layers(args)[1].root
     result = install_bundle(path, into)
     if args.json:
@@ -258,6 +300,100 @@ def cmd_install(args, out) -> int:
     else:
         print(f"installed {result['installed']} of {result['objects']} objects into {result['into']} "
               f"({result['already_present']} already present)", file=out)
+    return 0
+
+
+def show_config(args) -> dict[str, Any]:
+    """What this process would use: versions, arch, layers with their trust,
+    launcher and object loader, and the settings in force."""
+    import torch
+
+    from . import key, manifest, native
+    from .config import HOST_TARGET, lock_timeout, read_config
+    from .launcher import launcher_kind
+
+    config = read_config()
+    with warnings.catch_warnings(record=True) as notices:
+        warnings.simplefilter("always")
+        launcher = launcher_kind()  # says why once where the C launcher cannot run
+    try:
+        dsl = f"{key.dsl_version()} ({key.cuda_flavour()})"
+    except ImportError:
+        dsl = None
+    readonly, writable = _layers(args)
+    layers = []
+    for layer in readonly + [writable]:
+        info = _layer_info(layer)
+        info["trust"] = _trust(layer)
+        layers.append(info)
+    runtime = native.runtime_library_path()
+    return {
+        "versions": {
+            DISTRIBUTION: __version__,
+            "torch": torch.__version__,
+            "nvidia-cutlass-dsl": dsl,
+            "python": sys.version.split()[0],
+        },
+        "arch": config.arch,
+        "arch_from": "QUACK_ARCH" if os.environ.get("QUACK_ARCH", "").strip() else (
+            "the visible GPU" if torch.cuda.is_available() else "the default"),
+        "layers": layers,
+        "launcher": {
+            "kind": launcher,
+            "detail": "quack.cache._fastlaunch" if launcher == "C" else "; ".join(str(n.message) for n in notices),
+        },
+        "object_loader": (f"the CuTe DSL runtime's C loader ({runtime})" if runtime
+                          else "the CuTe DSL's load_module (no runtime library found)"),
+        "settings": {
+            "QUACK_CACHE_STRICT": config.strict,
+            "QUACK_CACHE_MAX_SIZE": config.max_size,
+            "QUACK_CACHE_LOCK_TIMEOUT": lock_timeout(),
+            manifest.RECORD_ENV: os.environ.get(manifest.RECORD_ENV) or None,
+            "host_target": HOST_TARGET,
+            "cache_format": key.CACHE_FORMAT_VERSION,
+            "dsl_settings": key.dsl_settings(),
+        },
+    }
+
+
+def _trust(layer: Layer) -> str:
+    if not layer.writable:
+        return "trusted: configured read-only layer"
+    if not layer.root.exists():
+        return "trusted: created private on first export"
+    problem = writable_problem(layer.root)
+    return f"UNTRUSTED: {problem}" if problem else "trusted: yours, private"
+
+
+def cmd_show_config(args, out) -> int:
+    result = show_config(args)
+    if args.json:
+        _dump(result, out)
+        return 0
+    versions = result["versions"]
+    launcher, settings = result["launcher"], result["settings"]
+    max_size = settings["QUACK_CACHE_MAX_SIZE"]
+    rows = [
+        [DISTRIBUTION, versions[DISTRIBUTION]],
+        ["torch", versions["torch"]],
+        ["nvidia-cutlass-dsl", versions["nvidia-cutlass-dsl"] or "not installed"],
+        ["python", versions["python"]],
+        ["arch", f"{result['arch']} (from {result['arch_from']})"],
+        ["launcher", f"{launcher['kind']} ({launcher['detail']})" if launcher["detail"] else launcher["kind"]],
+        ["object loader", result["object_loader"]],
+        ["strict", "yes" if settings["QUACK_CACHE_STRICT"] else "no"],
+        ["max size", format_size(max_size) if max_size is not None else "unset"],
+        ["lock timeout", f"{settings['QUACK_CACHE_LOCK_TIMEOUT']:g} s"],
+        ["recording to", settings["QUACK_CACHE_RECORD"] or "-"],
+        ["host target", settings["host_target"]],
+        ["cache format", settings["cache_format"]],
+        ["DSL settings", " ".join(f"{k}={v}" for k, v in sorted(settings["dsl_settings"].items())) or "-"],
+    ]
+    _print_lines(format_table(["SETTING", "VALUE"], rows), out)
+    print(file=out)
+    layer_rows = [["writable" if info["writable"] else "read-only", info["root"],
+                   "yes" if info["exists"] else "no", info["trust"]] for info in result["layers"]]
+    _print_lines(format_table(["LAYER", "PATH", "EXISTS", "TRUST"], layer_rows), out)
     return 0
 
 
@@ -273,7 +409,7 @@ def _dump(value: Any, out) -> None:
 
 
 COMMANDS = {"ls": cmd_ls, "stats": cmd_stats, "verify": cmd_verify, "prune": cmd_prune,
-            "clear": cmd_clear, "bundle": cmd_bundle, "install": cmd_install}
+            "clear": cmd_clear, "bundle": cmd_bundle, "install": cmd_install, "show-config": cmd_show_config}
 
 
 def main(argv: Sequence[str] | None = None, out=None) -> int:
@@ -284,13 +420,11 @@ def main(argv: Sequence[str] | None = None, out=None) -> int:
     try:
         return COMMANDS[args.command](args, out)
     except UsageError as exc:
-        parser.print_usage(sys.stderr)
         print(f"{PROG} {args.command}: error: {exc}", file=sys.stderr)
         return 2
-    except (CacheError, BundleError) as exc:
-        print(f"{PROG} {args.command}: error: {exc}", file=sys.stderr)
-        return 1
-    except OSError as exc:
+    except BrokenPipeError:
+        raise  # the reader went away: console_main's to handle, not an error of the command
+    except (CacheError, OSError) as exc:
         print(f"{PROG} {args.command}: error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
@@ -298,5 +432,19 @@ def main(argv: Sequence[str] | None = None, out=None) -> int:
 
 
 def console_main() -> None:
-    """Entry point of the ``quack-cache`` console script."""
-    sys.exit(main())
+    """Entry point of ``quack-cache`` and ``python -m quack.cache``.
+
+    When the reader of the output goes away (``quack-cache ls | head``), the
+    command stops without a word and exits 141 (128 + SIGPIPE), as a command
+    the signal ended would; stdout is pointed at /dev/null first, so the
+    interpreter's own flush at exit does not fail again.
+    """
+    try:
+        code = main()
+        sys.stdout.flush()
+    except BrokenPipeError:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        code = 128 + signal.SIGPIPE
+    sys.exit(code)

@@ -35,10 +35,20 @@ def record_seconds(phase: str, seconds: float) -> None:
 
 
 def stats() -> dict[str, Any]:
-    """A snapshot: ``hits`` per layer plus totals; missing counters read 0."""
+    """A snapshot; missing counters read 0.
+
+    ``hits`` per layer label: ``memory`` counts lookups this process answered
+    from what it already had (a kernel loaded or compiled earlier, in
+    compile-only mode an entry already ensured); every other label is a layer
+    whose entry was verified on disk (and loaded, outside compile-only mode).
+    ``memory_hits`` and ``disk_hits`` are the two totals.
+    """
     with _LOCK:
+        hits = dict(_HITS)  # one copy: record_hit takes no lock
         return {
-            "hits": dict(_HITS),
+            "hits": hits,
+            "memory_hits": hits.get("memory", 0),
+            "disk_hits": sum(hits.values()) - hits.get("memory", 0),
             "misses": _COUNTS["miss"],
             "compiles": _COUNTS["compile"],
             "exports": _COUNTS["export"],

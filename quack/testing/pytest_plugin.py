@@ -20,8 +20,9 @@ tensor-method forms) are no-ops that report a match while a GPU test runs:
 the test goes on to its end and warms every kernel it calls.  Any exception,
 an ``AssertionError`` included (a bare ``assert`` on values is a test bug:
 it reads sentinels), fails the test.  The terminal summary
-lists, per GPU test, how many objects it exported and how many it found
-already cached, and names the tests that touched no kernel at all.
+lists, per GPU test, how many objects it exported, how many it found already
+on disk and how many lookups this process had answered before (memory hits),
+and names the tests that touched no kernel at all.
 
 Under ``QUACK_MATRIX=smoke`` (the Bazel wiring checks' ``--config=smoke``)
 only the GPU tests named ``test_matrix`` are collected.
@@ -91,12 +92,12 @@ def _deselect_for_smoke(config: pytest.Config, items: list[pytest.Item]) -> None
         items[:] = keep
 
 
-def _cache_counts() -> tuple[int, int]:
-    """(objects exported, cache hits) so far in this process."""
+def _cache_counts() -> tuple[int, int, int]:
+    """(objects exported, entries found on disk, memory hits) so far in this process."""
     from quack.cache import stats
 
     s = stats()
-    return s["exports"], sum(s["hits"].values())
+    return s["exports"], s["disk_hits"], s["memory_hits"]
 
 
 @pytest.hookimpl(wrapper=True)
@@ -109,18 +110,14 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem):
         return (yield)
     from quack.compile_only import compile_only_mode
 
-    exported_before, hits_before = _cache_counts()
+    before = _cache_counts()
     patch = _comparisons_disabled()
     try:
         with compile_only_mode():
             result = yield
     finally:
         patch.undo()
-    exported_after, hits_after = _cache_counts()
-    item.config.stash[_WARMED_KEY][item.nodeid] = (
-        exported_after - exported_before,
-        hits_after - hits_before,
-    )
+    item.config.stash[_WARMED_KEY][item.nodeid] = tuple(a - b for a, b in zip(_cache_counts(), before))
     return result
 
 
@@ -155,28 +152,44 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config: pytest.Config)
 
 
 def _report_cache_stats(tr) -> None:
-    """One line of kernel cache counters (hits per layer, compiles) when kernels ran."""
+    """The kernel cache's counters for this process, as a table, when kernels ran."""
     import sys
 
     if "quack.cache" not in sys.modules:
         return
     s = sys.modules["quack.cache"].stats()
-    if s["compiles"] or s["hits"] or s["misses"]:
-        tr.write_line(f"quack kernel cache: {s}")
+    if not (s["compiles"] or s["hits"] or s["misses"]):
+        return
+    from quack.cache.cli import format_table
+
+    rows = [["memory hits (kernels this process already had)", s["memory_hits"], ""]]
+    rows += [[f"found on disk: {layer}", n, ""] for layer, n in sorted(s["hits"].items()) if layer != "memory"]
+    rows += [
+        ["misses", s["misses"], ""],
+        ["compiled", s["compiles"], f"{s['compile_seconds']:.2f} s"],
+        ["exported", s["exports"], ""],
+        ["bad entries skipped", s["bad_entries"], ""],
+        ["verifying entries", "", f"{s['verify_seconds']:.2f} s"],
+        ["loading objects", "", f"{s['load_seconds']:.2f} s"],
+    ]
+    tr.section("quack kernel cache")
+    for line in format_table(["EVENT", "COUNT", "TIME"], rows, right=[1, 2]):
+        tr.write_line(line)
 
 
 def _report_warmed(terminalreporter, config: pytest.Config) -> None:
     warmed = config.stash.get(_WARMED_KEY, {})
     if not _compile_only(config) or not warmed:
         return
+    from quack.cache.cli import format_table
+
     tr = terminalreporter
     tr.section("compile-only: kernel objects per test")
-    idle = []
-    for nodeid, (exported, present) in sorted(warmed.items()):
-        tr.write_line(f"{exported:4d} exported {present:4d} cached  {nodeid}")
-        if exported == 0 and present == 0:
-            idle.append(nodeid)
-    total = sum(e for e, _ in warmed.values())
+    rows = [[*counts, nodeid] for nodeid, counts in sorted(warmed.items())]
+    for line in format_table(["EXPORTED", "ON DISK", "MEMORY HITS", "TEST"], rows, right=[0, 1, 2]):
+        tr.write_line(line)
+    idle = [nodeid for nodeid, counts in sorted(warmed.items()) if not any(counts)]
+    total = sum(exported for exported, _, _ in warmed.values())
     tr.write_line(f"{len(warmed)} GPU tests, {total} objects exported")
     if idle:
         tr.write_line(f"{len(idle)} GPU tests called no kernel:")
