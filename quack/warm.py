@@ -1,0 +1,302 @@
+"""Warm a kernel cache folder in compile-only mode: no GPU, nothing launched.
+
+    python -m quack.warm calls.jsonl [--out DIR] [--family F] [--arch sm_90a]
+
+compiles every call of the manifests (``quack/cache/manifest.py``: a file
+recorded with ``QUACK_CACHE_RECORD=FILE``, or tools/configs/production.jsonl)
+into ``DIR`` (default: the writable layer, ``QUACK_CACHE_DIR``), through each
+call's plan. Bazel's tools/warm_cache.py runs the same code, with test files
+warmed through ``pytest --compile-only`` as well.
+
+The folder ends up holding ``<family>/<key>.o`` + ``.json`` entries and
+``manifest.json`` (every entry that verifies: key hash, family, file, sha256,
+sorted), byte-identical from run to run. Only the cache's own files are ever
+written there, and nothing is deleted: kernels are compiled into a private
+staging layer (where the cache keeps its key locks and temporaries), and each
+new entry, verified, is copied into the folder (replacing a damaged entry of
+the same key, as the cache itself would). Entries already in the folder are
+used as they are. A folder that is neither new, empty, nor a cache layer (a
+project checkout given by mistake) is refused before anything runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Sequence
+
+from quack.cache import maintenance
+from quack.cache.errors import CacheError
+from quack.cache.files import MAX_OBJECT_BYTES, read_bounded
+from quack.cache.stats import stats
+from quack.cache.store import Layer, ensure_layer_dir, family_folder
+
+log = logging.getLogger("quack.warm")
+
+MANIFEST = "manifest.json"
+# A family folder's own files: entries, key locks beside them, and (hidden) the
+# cache's export temporaries and folders it moved aside.
+_FAMILY_FILE = re.compile(rf"{maintenance.KEYHASH.pattern}\.(o|json|lock)|\..*")
+
+
+class OutputFolderError(CacheError):
+    """The folder to warm is not one this module may write into."""
+
+
+@dataclass
+class WarmResult:
+    """What a warm run left in its folder."""
+
+    objects: list[dict]  # manifest.json's entries: every entry of the folder that verifies
+    exported: int  # entries this run added
+    calls: int  # manifest calls warmed
+    compile_seconds: float
+    unlisted: list[str]  # entries of the folder that do not verify (left as they are)
+
+    @property
+    def already_present(self) -> int:
+        return len(self.objects) - self.exported
+
+
+def foreign_content(out: Path) -> str:
+    """The first thing in ``out`` a cache layer never holds (``""``: none, or
+    ``out`` does not exist): anything but family folders of entries,
+    ``manifest.json`` and the cache's hidden folders."""
+    try:
+        children = sorted(os.scandir(out), key=lambda e: e.name)
+    except FileNotFoundError:
+        return ""
+    except NotADirectoryError:
+        return str(out)
+    for child in children:
+        if child.name.startswith(".") and child.is_dir(follow_symlinks=False):
+            continue  # the cache's own: key locks, an install's staging
+        if child.name == MANIFEST and child.is_file(follow_symlinks=False):
+            continue
+        if not (maintenance.FAMILY.fullmatch(child.name) and child.is_dir(follow_symlinks=False)):
+            return child.name
+        for name in sorted(os.listdir(child.path)):
+            if not _FAMILY_FILE.fullmatch(name):
+                return f"{child.name}/{name}"
+    return ""
+
+
+def check_output_folder(out: Path) -> None:
+    """Raise ``OutputFolderError`` unless ``out`` is new, empty, or a cache layer."""
+    foreign = foreign_content(out)
+    if foreign == str(out):
+        raise OutputFolderError(f"{out} is not a folder")
+    if foreign:
+        raise OutputFolderError(
+            f"{out} is neither empty nor a kernel cache folder (it holds {foreign!r}): "
+            "give a new or empty folder, or a cache folder (<family>/<key>.o and .json entries)"
+        )
+
+
+@contextlib.contextmanager
+def _environment(values: dict[str, str | None]) -> Iterator[None]:
+    """Set (None: unset) environment variables for the block, then restore them."""
+    saved = {name: os.environ.get(name) for name in values}
+    try:
+        for name, value in values.items():
+            _set(name, value)
+        yield
+    finally:
+        for name, value in saved.items():
+            _set(name, value)
+
+
+def _set(name: str, value: str | None) -> None:
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
+
+
+def warm_manifests(paths: Sequence[str | Path], families: set[str]) -> int:
+    """Warm every call of the manifests of the selected families (an op's name
+    is its family's; none selected: all) through its plan, in compile-only
+    mode; returns how many calls. Under ``QUACK_MATRIX=smoke`` only the
+    first call of each manifest (the Bazel wiring checks' selection).
+    Raises ``manifest.ManifestError`` for a manifest it cannot read."""
+    from quack import plan
+    from quack.cache import manifest
+    from quack.compile_only import compile_only_mode
+    from quack.testing import matrix
+
+    done = 0
+    for path in paths:
+        calls = manifest.read(path, families or None)
+        if matrix.selection() == "smoke":
+            calls = calls[:1]
+        for sig in calls:
+            log.info("%s: %s", path, plan.entry_line(sig))
+            with compile_only_mode():
+                plan.plan_for(sig).warm()
+            done += 1
+    return done
+
+
+def warm_tests(test_files: Sequence[str], rootdir: Path) -> None:
+    """``pytest --compile-only`` over ``test_files``, in this process."""
+    import pytest
+
+    log.info("pytest --compile-only %s", " ".join(test_files))
+    code = pytest.main(
+        ["--compile-only", "-q", "-p", "quack.testing.pytest_plugin", "-p", "no:cacheprovider",
+         "--rootdir", str(rootdir), *test_files]
+    )
+    if code != 0:
+        raise SystemExit(f"pytest --compile-only failed with exit code {int(code)}")
+
+
+def warm(
+    out: Path,
+    *,
+    manifests: Sequence[str | Path] = (),
+    families: Sequence[str] = (),
+    tests: Sequence[str] = (),
+    rootdir: Path | None = None,
+    arch: str | None = None,
+) -> WarmResult:
+    """Warm ``out`` from test files (run under ``rootdir``) and manifests; see the module docstring.
+
+    Raises ``OutputFolderError`` (before anything runs) for a folder it may
+    not write into, ``manifest.ManifestError`` for a bad manifest.
+    """
+    out = Path(out).resolve()
+    check_output_folder(out)
+    layer = Layer(out, str(out), True)
+    ensure_layer_dir(layer)  # created private; one others can write is refused (CacheError)
+    before = stats()["compile_seconds"]
+    with tempfile.TemporaryDirectory(prefix="quack-warm-") as staging:
+        settings = {
+            "QUACK_CACHE_DIR": staging,
+            "QUACK_CACHE_PATH": str(out),  # what the folder holds already is used, not compiled again
+            "QUACK_CACHE_STRICT": None,
+            "QUACK_CACHE_MAX_SIZE": None,  # no staged entry may be evicted before it is copied
+        }
+        if arch:
+            settings["QUACK_ARCH"] = arch
+        with _environment(settings):
+            if tests:
+                warm_tests(tests, rootdir or Path.cwd())
+            calls = warm_manifests(manifests, set(families))
+        exported = _copy_entries(Layer(Path(staging), "staging", False), layer)
+    objects, unlisted = write_manifest(out)
+    return WarmResult(objects, exported, calls, stats()["compile_seconds"] - before, unlisted)
+
+
+def _copy_entries(staging: Layer, out: Layer) -> int:
+    """Copy every entry of ``staging`` into ``out``; returns how many.
+
+    Each entry is checked first (a bad one is an error: this run wrote it).
+    Its two files are copied into a private temporary folder beside their
+    place (named as the cache names its export temporaries, so ``quack-cache
+    verify`` removes one a killed run left) and moved in with ``os.replace``,
+    sidecar last: a reader never takes a half-copied object for valid. No key
+    lock is taken: its lock file would land in the folder (a Bazel output
+    holds entries and the manifest only). Entries are deterministic, so a
+    racing writer of the same key writes the same bytes, and a racing removal
+    leaves at worst a broken entry, which readers treat as a miss.
+    """
+    entries = maintenance.scan(staging, read_sidecars=False)
+    for entry in entries:
+        problem = maintenance.check(entry)
+        if problem:
+            raise CacheError(f"warming wrote a bad entry {entry.name}: {problem}")
+        folder = family_folder(out, entry.family)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{entry.keyhash}.", dir=folder))
+        try:
+            for source in (entry.object, entry.sidecar):
+                shutil.copyfile(source, tmp / source.name)
+                os.chmod(tmp / source.name, 0o600)
+            for source in (entry.object, entry.sidecar):
+                os.replace(tmp / source.name, folder / source.name)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return len(entries)
+
+
+def write_manifest(out: Path) -> tuple[list[dict], list[str]]:
+    """Write ``out/manifest.json`` listing every entry that verifies, sorted by
+    family and key; returns those entries and the names of the entries left out."""
+    objects, unlisted = [], []
+    for entry in maintenance.scan(Layer(out, str(out), False), read_sidecars=False):
+        problem = maintenance.check(entry)
+        if problem:
+            log.warning("%s/%s is not listed in %s: %s", out, entry.name, MANIFEST, problem)
+            unlisted.append(entry.name)
+            continue
+        data = read_bounded(entry.object, MAX_OBJECT_BYTES)
+        objects.append({
+            "key": entry.keyhash,
+            "family": entry.family,
+            "file": f"{entry.family}/{entry.keyhash}.o",
+            "sha256": hashlib.sha256(data).hexdigest(),
+        })
+    objects.sort(key=lambda o: (o["family"], o["key"]))
+    text = json.dumps({"objects": objects}, indent=1, sort_keys=True) + "\n"
+    fd, tmp = tempfile.mkstemp(prefix=f".{MANIFEST}.", dir=out)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, out / MANIFEST)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return objects, unlisted
+
+
+def summary(result: WarmResult, families: Sequence[str]) -> str:
+    """One line: what the run warmed and what the folder holds."""
+    return (
+        f"warmed {','.join(families) or 'all families'}: {len(result.objects)} objects "
+        f"({result.exported} exported now, {result.already_present} already present), "
+        f"{result.calls} manifest calls, {result.compile_seconds:.1f} s compiling"
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m quack.warm",
+        description="Compile the calls of manifests into a kernel cache folder, without a GPU.",
+    )
+    parser.add_argument("manifests", nargs="+", metavar="MANIFEST",
+                        help="manifest of calls (recorded with QUACK_CACHE_RECORD=FILE)")
+    parser.add_argument("--out", metavar="DIR",
+                        help="cache folder to fill (default: the writable layer, QUACK_CACHE_DIR)")
+    parser.add_argument("--family", action="append", default=[], help="only this family's calls (repeatable)")
+    parser.add_argument("--arch", help="GPU arch to compile for (default: QUACK_ARCH, else sm_90a)")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m quack.warm``; returns the exit status (argparse errors exit 2 themselves)."""
+    from quack.cache import manifest
+    from quack.cache.config import read_config
+
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    out = Path(args.out).expanduser() if args.out else read_config().writable_dir
+    try:
+        result = warm(out, manifests=args.manifests, families=args.family, arch=args.arch)
+    except (CacheError, manifest.ManifestError, OSError) as exc:
+        print(f"python -m quack.warm: error: {exc}", file=sys.stderr)
+        return 1
+    print(f"{summary(result, args.family)} in {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,135 @@
+"""Warming a cache folder from a manifest: ``python -m quack.warm`` and tools/warm_cache.py
+(the same code): what the folder holds after, the counts reported, and folders that are not
+caches (a project checkout given by mistake), whose files are never touched (CPU only)."""
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from quack import warm
+from quack.cache import manifest
+from quack.softmax import SoftmaxCall
+
+REPO = Path(__file__).resolve().parents[1]
+KEY = "0123456789abcdef0123456789abcdef"
+
+
+@pytest.fixture
+def calls(tmp_path):
+    """A manifest of two small calls: two objects, the forward one needed by both."""
+    path = tmp_path / "calls.jsonl"
+    manifest.write(path, [SoftmaxCall("float32", 7, 1, False), SoftmaxCall("float32", 7, 1, True)])
+    return path
+
+
+def _env(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("QUACK_")}
+    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    return dict(env, PYTHONPATH=path, QUACK_ARCH="sm_90a", QUACK_CACHE_DIR=str(tmp_path / "default"))
+
+
+def _quack_warm(tmp_path, *argv):
+    return subprocess.run([sys.executable, "-m", "quack.warm", *map(str, argv)], env=_env(tmp_path),
+                          capture_output=True, text=True, timeout=300)
+
+
+def _tool(tmp_path, *argv):
+    return subprocess.run([sys.executable, str(REPO / "tools/warm_cache.py"), *map(str, argv)],
+                          env=_env(tmp_path), capture_output=True, text=True, timeout=300, cwd=REPO)
+
+
+def _snapshot(root: Path) -> dict:
+    """Every file and folder under ``root``: a file's bytes and mtime (a folder: None)."""
+    return {str(p.relative_to(root)): (p.read_bytes(), p.stat().st_mtime_ns) if p.is_file() else None
+            for p in sorted(root.rglob("*"))}
+
+
+def test_warm_fills_an_empty_folder_then_finds_its_objects_present(tmp_path, calls):
+    out = tmp_path / "out"
+    out.mkdir()
+    first = _quack_warm(tmp_path, calls, "--out", out)
+    assert first.returncode == 0, first.stderr
+    # The second call's forward kernel is the first call's: a memory hit, not an object found present.
+    assert "warmed all families: 2 objects (2 exported now, 0 already present), 2 manifest calls" in first.stdout
+    objects = sorted((out / "softmax").glob("*.o"))
+    listed = json.loads((out / "manifest.json").read_text())["objects"]
+    assert listed == [{"family": "softmax", "file": f"softmax/{obj.name}", "key": obj.stem,
+                       "sha256": hashlib.sha256(obj.read_bytes()).hexdigest()} for obj in objects]
+    entries = {f"softmax/{obj.stem}{suffix}" for obj in objects for suffix in (".o", ".json")}
+    assert set(_snapshot(out)) == {"manifest.json", "softmax"} | entries
+    again = _quack_warm(tmp_path, calls, "--out", out)
+    assert again.returncode == 0, again.stderr
+    assert "2 objects (0 exported now, 2 already present)" in again.stdout
+    # The build's tool runs the same code: the same folder from an empty one, and the right counts.
+    built = tmp_path / "built"
+    tool = _tool(tmp_path, f"--out={built}", f"--configs={calls}")
+    assert tool.returncode == 0, tool.stderr
+    assert "2 objects (2 exported now, 0 already present)" in tool.stderr
+    assert _snapshot(built)["manifest.json"][0] == (out / "manifest.json").read_bytes()
+
+
+def test_warm_adds_to_a_cache_folder_and_keeps_what_it_did_not_write(tmp_path, calls):
+    out = tmp_path / "cache"
+    (out / "rmsnorm").mkdir(parents=True)
+    (out / "rmsnorm" / f"{KEY}.o").write_bytes(b"not an object")  # a bad entry
+    (out / "rmsnorm" / f"{KEY}.json").write_text("{}")
+    (out / "softmax").mkdir()
+    (out / "softmax" / f"{KEY}.lock").write_text("4242\n")  # another process's key lock
+    (out / ".locks").mkdir()
+    (out / ".locks" / "held").write_text("4243\n")
+    before = _snapshot(out)
+    done = _quack_warm(tmp_path, calls, "--out", out)
+    assert done.returncode == 0, done.stderr
+    assert "2 objects (2 exported now, 0 already present)" in done.stdout
+    assert f"rmsnorm/{KEY} is not listed in manifest.json" in done.stderr
+    after = _snapshot(out)
+    assert {name: after[name] for name in before} == before  # not one byte or mtime changed
+    objects = sorted((out / "softmax").glob("*.o"))
+    added = {f"softmax/{obj.stem}{suffix}" for obj in objects for suffix in (".o", ".json")}
+    assert set(after) - set(before) == {"manifest.json"} | added
+    assert [o["key"] for o in json.loads((out / "manifest.json").read_text())["objects"]] == [o.stem for o in objects]
+
+
+@pytest.mark.parametrize("files, foreign", [
+    ({"poetry.lock": "", "Cargo.lock": "", "foo.o": ""}, "Cargo.lock"),
+    ({"build/foo.o": ""}, "build/foo.o"),
+    ({f"softmax/{KEY}.o": "", "notes.txt": ""}, "notes.txt"),
+    ({f"softmax/{KEY}.o": "", f"softmax/{KEY}.json": "", "manifest.json": "", ".locks/x": ""}, ""),
+    ({}, ""),
+])
+def test_only_new_empty_or_cache_folders_are_warmed(tmp_path, files, foreign):
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    assert warm.foreign_content(tmp_path) == foreign
+    assert warm.foreign_content(tmp_path / "new") == ""
+
+
+def test_a_project_folder_is_refused_and_left_as_it_was(tmp_path, calls):
+    project = tmp_path / "project"
+    for name in ("poetry.lock", "Cargo.lock", "foo.o", "build/bar.o", "build/baz.lock"):
+        (project / name).parent.mkdir(parents=True, exist_ok=True)
+        (project / name).write_text(name)
+    before = _snapshot(project)
+    tool = _tool(tmp_path, f"--out={project}", f"--configs={calls}")
+    assert tool.returncode == 1
+    assert tool.stderr.strip() == (f"warm_cache: {project} is neither empty nor a kernel cache folder (it holds "
+                                   "'Cargo.lock'): give a new or empty folder, or a cache folder "
+                                   "(<family>/<key>.o and .json entries)")
+    package = _quack_warm(tmp_path, calls, "--out", project)
+    assert package.returncode == 1 and "is neither empty nor a kernel cache folder" in package.stderr
+    assert "Traceback" not in package.stderr
+    assert _snapshot(project) == before
+
+
+def test_the_tools_help_shows_its_example_on_two_lines(tmp_path):
+    done = _tool(tmp_path, "--help")
+    lines = done.stdout.splitlines()
+    start = next(i for i, line in enumerate(lines) if "python tools/warm_cache.py" in line)
+    assert lines[start].rstrip().endswith("--family=rmsnorm \\")
+    assert lines[start + 1].strip().startswith("--tests=tests/test_rmsnorm.py")
