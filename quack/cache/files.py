@@ -79,6 +79,7 @@ def private_folder(path: Path) -> Path:
     folders with the umask). Raises ``UnsafeFile`` otherwise."""
     try:
         path.mkdir(mode=0o700)
+        os.chmod(path, 0o700)  # the umask may have taken bits mkdir asked for
     except FileExistsError:
         pass
     st = os.lstat(path)
@@ -86,6 +87,6 @@ def private_folder(path: Path) -> Path:
         raise UnsafeFile(f"{path} is not a folder (a symlink or a file where the cache keeps its entries)")
     if st.st_uid != os.getuid():
         raise UnsafeFile(f"{path} is owned by uid {st.st_uid}, not {os.getuid()}")
-    if st.st_mode & 0o077:
+    if stat.S_IMODE(st.st_mode) != 0o700:
         os.chmod(path, 0o700, follow_symlinks=False)
     return path

@@ -205,8 +205,9 @@ def prune(
 
 
 def clear(layer: Layer) -> list[Entry]:
-    """Remove every entry of a writable layer and the cache's stale temporary
-    directories (nothing else); returns the removed entries."""
+    """Remove every entry of a writable layer and the export temporaries that
+    nobody uses, nothing else (a later install removes a killed install's
+    staging folder); returns the removed entries."""
     check_removable(layer)
     removed = [e for e in scan(layer, read_sidecars=False) if remove(e)]
     remove_stale_temps(layer, max_age=0.0)

@@ -326,6 +326,7 @@ def ensure_layer_dir(layer: Layer) -> Path:
     for folder in reversed(missing):
         with contextlib.suppress(FileExistsError):
             folder.mkdir(mode=0o700)
+            os.chmod(folder, 0o700)  # the umask may have taken bits mkdir asked for
     check_private(layer.root)
     return layer.root
 
