@@ -33,13 +33,16 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import TYPE_CHECKING, Iterator, Sequence
 
 from quack.cache import maintenance
 from quack.cache.errors import CacheError
 from quack.cache.files import MAX_OBJECT_BYTES, read_bounded
 from quack.cache.stats import stats
 from quack.cache.store import Layer, ensure_layer_dir, family_folder
+
+if TYPE_CHECKING:
+    from quack.plan import Signature
 
 log = logging.getLogger("quack.warm")
 
@@ -123,28 +126,33 @@ def _set(name: str, value: str | None) -> None:
         os.environ[name] = value
 
 
-def warm_manifests(paths: Sequence[str | Path], families: set[str]) -> int:
-    """Warm every call of the manifests of the selected families (an op's name
-    is its family's; none selected: all) through its plan, in compile-only
-    mode; returns how many calls. Under ``QUACK_MATRIX=smoke`` only the
-    first call of each manifest (the Bazel wiring checks' selection).
-    Raises ``manifest.ManifestError`` for a manifest it cannot read."""
-    from quack import plan
+def read_manifests(paths: Sequence[str | Path], families: set[str]) -> list[tuple[str, Signature]]:
+    """(manifest, signature) of every call of the manifests of the selected
+    families (an op's name is its family's; none selected: all); under
+    ``QUACK_MATRIX=smoke`` only the first call of each manifest (the Bazel
+    wiring checks' selection). Raises ``manifest.ManifestError`` for a
+    manifest it cannot read, ``OSError`` for one it cannot open."""
     from quack.cache import manifest
-    from quack.compile_only import compile_only_mode
     from quack.testing import matrix
 
-    done = 0
+    calls = []
     for path in paths:
-        calls = manifest.read(path, families or None)
+        signatures = manifest.read(path, families or None)
         if matrix.selection() == "smoke":
-            calls = calls[:1]
-        for sig in calls:
-            log.info("%s: %s", path, plan.entry_line(sig))
-            with compile_only_mode():
-                plan.plan_for(sig).warm()
-            done += 1
-    return done
+            signatures = signatures[:1]
+        calls += [(str(path), sig) for sig in signatures]
+    return calls
+
+
+def warm_calls(calls: Sequence[tuple[str, Signature]]) -> None:
+    """Warm each call's plan in compile-only mode."""
+    from quack import plan
+    from quack.compile_only import compile_only_mode
+
+    for path, sig in calls:
+        log.info("%s: %s", path, plan.entry_line(sig))
+        with compile_only_mode():
+            plan.plan_for(sig).warm()
 
 
 def warm_tests(test_files: Sequence[str], rootdir: Path) -> None:
@@ -171,11 +179,12 @@ def warm(
 ) -> WarmResult:
     """Warm ``out`` from test files (run under ``rootdir``) and manifests; see the module docstring.
 
-    Raises ``OutputFolderError`` (before anything runs) for a folder it may
-    not write into, ``manifest.ManifestError`` for a bad manifest.
+    Raises ``OutputFolderError`` for a folder it may not write into and
+    ``manifest.ManifestError`` for a bad manifest, both before anything runs.
     """
     out = Path(out).resolve()
     check_output_folder(out)
+    calls = read_manifests(manifests, set(families))
     layer = Layer(out, str(out), True)
     ensure_layer_dir(layer)  # created private; one others can write is refused (CacheError)
     before = stats()["compile_seconds"]
@@ -191,10 +200,10 @@ def warm(
         with _environment(settings):
             if tests:
                 warm_tests(tests, rootdir or Path.cwd())
-            calls = warm_manifests(manifests, set(families))
+            warm_calls(calls)
         exported = _copy_entries(Layer(Path(staging), "staging", False), layer)
     objects, unlisted = write_manifest(out)
-    return WarmResult(objects, exported, calls, stats()["compile_seconds"] - before, unlisted)
+    return WarmResult(objects, exported, len(calls), stats()["compile_seconds"] - before, unlisted)
 
 
 def _copy_entries(staging: Layer, out: Layer) -> int:

@@ -127,6 +127,15 @@ def test_a_project_folder_is_refused_and_left_as_it_was(tmp_path, calls):
     assert _snapshot(project) == before
 
 
+def test_a_bad_manifest_is_refused_before_anything_is_written(tmp_path):
+    bad = tmp_path / "calls.jsonl"
+    bad.write_text('{"configs": []}\n')
+    out = tmp_path / "new"
+    done = _quack_warm(tmp_path, bad, "--out", out)
+    assert done.returncode == 1 and "not a quack manifest" in done.stderr and "Traceback" not in done.stderr
+    assert not out.exists()
+
+
 def test_the_tools_help_shows_its_example_on_two_lines(tmp_path):
     done = _tool(tmp_path, "--help")
     lines = done.stdout.splitlines()
