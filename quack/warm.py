@@ -64,7 +64,6 @@ class WarmResult:
     exported: int  # entries this run added
     calls: int  # manifest calls warmed
     compile_seconds: float
-    unlisted: list[str]  # entries of the folder that do not verify (left as they are)
 
     @property
     def already_present(self) -> int:
@@ -72,15 +71,13 @@ class WarmResult:
 
 
 def foreign_content(out: Path) -> str:
-    """The first thing in ``out`` a cache layer never holds (``""``: none, or
-    ``out`` does not exist): anything but family folders of entries,
+    """The first thing in folder ``out`` a cache layer never holds (``""``:
+    none, or ``out`` does not exist): anything but family folders of entries,
     ``manifest.json`` and the cache's hidden folders."""
     try:
         children = sorted(os.scandir(out), key=lambda e: e.name)
     except FileNotFoundError:
         return ""
-    except NotADirectoryError:
-        return str(out)
     for child in children:
         if child.name.startswith(".") and child.is_dir(follow_symlinks=False):
             continue  # the cache's own: key locks, an install's staging
@@ -96,9 +93,9 @@ def foreign_content(out: Path) -> str:
 
 def check_output_folder(out: Path) -> None:
     """Raise ``OutputFolderError`` unless ``out`` is new, empty, or a cache layer."""
-    foreign = foreign_content(out)
-    if foreign == str(out):
+    if os.path.lexists(out) and not out.is_dir():
         raise OutputFolderError(f"{out} is not a folder")
+    foreign = foreign_content(out)
     if foreign:
         raise OutputFolderError(
             f"{out} is neither empty nor a kernel cache folder (it holds {foreign!r}): "
@@ -202,8 +199,8 @@ def warm(
                 warm_tests(tests, rootdir or Path.cwd())
             warm_calls(calls)
         exported = _copy_entries(Layer(Path(staging), "staging", False), layer)
-    objects, unlisted = write_manifest(out)
-    return WarmResult(objects, exported, len(calls), stats()["compile_seconds"] - before, unlisted)
+    objects = write_manifest(out)
+    return WarmResult(objects, exported, len(calls), stats()["compile_seconds"] - before)
 
 
 def _copy_entries(staging: Layer, out: Layer) -> int:
@@ -237,15 +234,15 @@ def _copy_entries(staging: Layer, out: Layer) -> int:
     return len(entries)
 
 
-def write_manifest(out: Path) -> tuple[list[dict], list[str]]:
+def write_manifest(out: Path) -> list[dict]:
     """Write ``out/manifest.json`` listing every entry that verifies, sorted by
-    family and key; returns those entries and the names of the entries left out."""
-    objects, unlisted = [], []
+    family and key (a bad one is left in place, unlisted, with a warning);
+    returns the listed entries."""
+    objects = []
     for entry in maintenance.scan(Layer(out, str(out), False), read_sidecars=False):
         problem = maintenance.check(entry)
         if problem:
             log.warning("%s/%s is not listed in %s: %s", out, entry.name, MANIFEST, problem)
-            unlisted.append(entry.name)
             continue
         data = read_bounded(entry.object, MAX_OBJECT_BYTES)
         objects.append({
@@ -264,7 +261,7 @@ def write_manifest(out: Path) -> tuple[list[dict], list[str]]:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    return objects, unlisted
+    return objects
 
 
 def summary(result: WarmResult, families: Sequence[str]) -> str:

@@ -110,6 +110,12 @@ def test_only_new_empty_or_cache_folders_are_warmed(tmp_path, files, foreign):
     assert warm.foreign_content(tmp_path / "new") == ""
 
 
+def test_a_file_is_not_a_folder_to_warm(tmp_path):
+    (tmp_path / "file").write_text("")
+    with pytest.raises(warm.OutputFolderError, match="is not a folder"):
+        warm.check_output_folder(tmp_path / "file")
+
+
 def test_a_project_folder_is_refused_and_left_as_it_was(tmp_path, calls):
     project = tmp_path / "project"
     for name in ("poetry.lock", "Cargo.lock", "foo.o", "build/bar.o", "build/baz.lock"):
