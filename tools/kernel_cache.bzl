@@ -19,6 +19,7 @@ directories plus `<name>.dirs`, one runfiles path per line (what QUACK_CACHE_PAT
 Both are normally created through `kernel_caches` (one call in quack/BUILD.bazel).
 """
 
+load("@rules_python//python:defs.bzl", "PyRuntimeInfo")
 load("//tools:kernel_families.bzl", "KERNEL_FAMILIES")
 
 KernelCacheInfo = provider(

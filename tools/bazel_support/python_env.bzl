@@ -57,7 +57,8 @@ package(default_visibility = ["//visibility:public"])
 exports_files(["env_info.json", "python3"])
 
 # The interpreter's C headers (the link `include`), for extensions built against the stable ABI
-# (//quack:fastlaunch): declared by content, so no install path enters an action's key.
+# (//quack:cache/_fastlaunch.abi3.so): declared by content, so no install path enters an
+# action's key.
 cc_library(
     name = "python_headers",
     hdrs = glob(["include/**/*.h"]),
@@ -92,10 +93,16 @@ def _python_env_impl(rctx):
     if not env_root:
         cache_home = env.get("XDG_CACHE_HOME") or (env.get("HOME", "") + "/.cache")
         env_root = cache_home + "/quack-bazel/python"
-    lock = rctx.path(rctx.attr.lock)  # a watched input: editing the lock re-runs this rule
+    lock = rctx.path(rctx.attr.lock)
+    script = rctx.path(rctx.attr._script)
+
+    # Editing either re-runs this rule. Watched explicitly: since Bazel 8, path() of a label no
+    # longer watches the file (--incompatible_no_implicit_watch_label).
+    rctx.watch(lock)
+    rctx.watch(script)
     rctx.report_progress("creating the pinned Python environment from %s" % rctx.attr.lock.name)
     result = rctx.execute(
-        [python, rctx.path(rctx.attr._script), "--lock=%s" % lock, "--root=%s" % env_root],
+        [python, script, "--lock=%s" % lock, "--root=%s" % env_root],
         timeout = 3600,
         quiet = True,
         environment = {"PYTHONPATH": "", "PYTHONNOUSERSITE": "1"},
