@@ -97,11 +97,26 @@ def compile_only_mode() -> Iterator[CompileOnlyFakeTensorMode]:
         with CompileOnlyFakeTensorMode() as mode:
             yield mode
     except RuntimeError as err:
-        if _NO_CUDA_GUARD in str(err):
-            raise RuntimeError(f"{err}. {_NO_CUDA_GUARD_HINT}") from err
-        raise
+        # torch's message may list every frame the block ran: cut to its
+        # first lines, where the frames of the error stay (its traceback).
+        message = str(err)
+        if _NO_CUDA_GUARD in message:
+            hinted = f"{_first_lines(message)}. {_NO_CUDA_GUARD_HINT}"
+        elif _NO_COMPILED_FRAMES in message:
+            hinted = f"{_FULLGRAPH_HINT}\n{_first_lines(message)}"
+        else:
+            raise
+        raise RuntimeError(hinted).with_traceback(err.__traceback__) from None
     finally:
         _COMPILE_ONLY_DEPTH.reset(token)
+
+
+def _first_lines(text: str, lines: int = 12, chars: int = 4000) -> str:
+    """``text`` cut to its first ``lines`` lines and ``chars`` characters, saying what was left out."""
+    kept = text[:chars].split("\n")[:lines]
+    left = text.count("\n") + 1 - len(kept)
+    cut = "\n".join(kept)
+    return cut if len(cut) == len(text) else f"{cut}\n... ({left} more lines, {len(text) - len(cut)} characters, cut)"
 
 
 # A CPU-only build of torch has no CUDA device guard, which indexing, copy_,
@@ -112,6 +127,18 @@ _NO_CUDA_GUARD_HINT = (
     "Under compile-only mode a CPU-only build of torch cannot index, copy_, move (.to/.cuda) or make "
     "contiguous a fake CUDA tensor: create tensors on the CUDA device directly and take views with "
     "narrow/select/view/reshape, or run compile-only with a CUDA build of torch (it needs no GPU)."
+)
+
+
+# Dynamo does not trace under compile-only mode's dispatch modes (the scalar
+# sentinels are not one of torch's own): every frame of a torch.compile'd
+# function runs eagerly (its kernels are warmed all the same), and with
+# fullgraph=True torch then raises, listing each frame it skipped.
+_NO_COMPILED_FRAMES = "torch.compile with fullgraph=True found no compiled frames"
+_FULLGRAPH_HINT = (
+    "torch.compile(fullgraph=True) cannot trace inside compile-only mode: Dynamo does not trace under its "
+    "dispatch modes, so the function ran eagerly (its kernels were warmed) and fullgraph=True refused that. "
+    "Under compile-only mode call the function itself, or compile it without fullgraph=True. torch's message:"
 )
 
 
