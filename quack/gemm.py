@@ -58,9 +58,10 @@ from quack import torch_interop as ti
 from quack.cache import compile_options, fastpath, jit_cache
 from quack.compile_only import differentiable_outputs, is_compile_only
 from quack.cute_op import cute_op
-from quack.plan import Kernel, Plan, Signature, plan_for, signature
+from quack.plan import Kernel, Plan, Signature, blame, fake_tensor, plan_for, signature, torch_dtype
 from quack.gemm_dact import activation_grad, activation_grad_kernel
-from quack.gemm_epilogue import TORCH_ACTIVATIONS, check_activation, out_columns, parse_epilogue
+from quack.gemm_epilogue import (DERIVATIVES, GATED, TORCH_ACTIVATIONS, check_activation, out_columns,
+                                 parse_epilogue)
 from quack.gemm_threads import cta_threads
 
 INPUT_DTYPES = (torch.bfloat16, torch.float16)
@@ -154,6 +155,7 @@ class GemmCall(Signature):
     training call with an activation also stores the pre-activation."""
 
     OP: ClassVar[str] = "gemm"
+    ARCHS: ClassVar[tuple[str, ...]] = ("sm_90a",)  # WGMMA and TMA multicast: Hopper's own
     ab_dtype: str
     out_dtype: str
     a_m_major: bool
@@ -203,6 +205,52 @@ class GemmCall(Signature):
         grad_b_grouping = "varlen_k" if self.grouping == "varlen_m" else "dense"
         grad_b = GemmCall(ab, ab, not self.a_m_major, True, grad_b_grouping, self.tile_n, False, 0, None, None)
         return (("grad_a", grad_a), ("grad_b", grad_b))
+
+    def rebuild(self) -> "GemmCall":
+        """The op's checks and signature of a call whose operands have these
+        fields (``plan.from_entry``): A (M, K), B (K, N) or (G, K, N) in the
+        fields' layouts, with N the tile width (K dA's), so that ``gemm_config``
+        can give it back; a derivative epilogue as ``quack.mlp``'s backward
+        makes its dZ product (no bias, the inputs' dtype, no backward)."""
+        m, k, n, groups = 256, _dim_for(self.grad_a_tile_n), _dim_for(self.tile_n), 2
+        a = fake_tensor(self, "ab_dtype", (k, m)).t() if self.a_m_major else fake_tensor(self, "ab_dtype", (m, k))
+        batch = (groups,) if self.grouping == "varlen_m" else ()
+        if self.b_n_major:
+            b = fake_tensor(self, "ab_dtype", (*batch, k, n))
+        else:
+            b = fake_tensor(self, "ab_dtype", (*batch, n, k)).transpose(-1, -2)
+        cu = torch.empty(groups + 1, device="cuda", dtype=torch.int32)
+        cu_m = cu if self.grouping == "varlen_m" else None
+        cu_k = cu if self.grouping == "varlen_k" else None
+        with blame(self, "ab_dtype"):
+            _check_operand("A", a, None)
+        if self.activation in DERIVATIVES:
+            _check_gemm("quack.mlp", a, b, None, cu_m, cu_k, None, None)
+            _check_epilogue(None, self.activation, a, b, cu_k)
+            ops, cu = _call_operands(a, b, a.dtype, cu_m, cu_k, None, self.activation, False)
+            return _signature(ops, cu, False)
+        # Each field's own check first, which names it; then all of the op's, in its order.
+        gated = self.activation in GATED
+        op = "quack.gemm_glu" if gated else "quack.gemm"
+        _check_call(op, a, b, None, cu_m, cu_k)
+        out_dtype = torch_dtype(self, "out_dtype")
+        with blame(self, "out_dtype"):
+            _check_call(op, a, b, out_dtype, cu_m, cu_k)
+        with blame(self, "activation"):
+            check_activation(self.activation, gated)
+        bias = None if gated else fake_tensor(self, "bias_dtype", (n,))
+        with blame(self, "bias_dtype"):
+            _check_epilogue(bias, None, a, b, None)
+        out_dtype = _check_gemm(op, a, b, out_dtype, cu_m, cu_k, bias, self.activation, gated)
+        with blame(self, "backward"):
+            ops, cu = _call_operands(a, b, out_dtype, cu_m, cu_k, bias, self.activation, self.backward)
+        return _signature(ops, cu, self.backward)
+
+
+def _dim_for(tile: int) -> int:
+    """A dimension for which ``gemm_config`` picks the tile width ``tile``:
+    the width itself, as TMA takes it (a multiple of 8)."""
+    return max(_ALIGN_ELEMENTS, tile - tile % _ALIGN_ELEMENTS)
 
 
 def call_signature(a, b3, out, cu_seqlens, a_m_major: bool, b_n_major: bool, backward: bool = False,
@@ -338,6 +386,8 @@ def _row_major(t: torch.Tensor) -> torch.Tensor:
 def _check_cu(name: str, cu: torch.Tensor, a: torch.Tensor, groups: Optional[int]) -> None:
     """cu_seqlens: int32, on A's device, 1-D of G + 1 entries (``groups``: G,
     where B says it)."""
+    if not isinstance(cu, torch.Tensor):
+        raise TypeError(f"{name} must be an int32 torch.Tensor, got {type(cu).__name__}")
     if cu.dtype != torch.int32:
         raise TypeError(f"{name} must be int32, got {cu.dtype}")
     ti.check_cuda(name, cu, a)
@@ -395,13 +445,11 @@ def gemm(A: torch.Tensor, B: torch.Tensor, out_dtype: Optional[torch.dtype] = No
     """
     # (Not while torch.compile traces: _call compares addresses for the fast path.)
     plain = bias is None and activation is None and fastpath.applies()
-    described = (A, B, cu_seqlens_m, cu_seqlens_k, _OUT_DTYPE_CODES.get(out_dtype, -1)) if plain else None
+    described = (A, B, cu_seqlens_m, cu_seqlens_k, _out_dtype_code(out_dtype)) if plain else None
     out = _FAST.call(5, *described) if plain else NotImplemented
     if out is not NotImplemented:
         return out
-    check_activation(activation)
-    out_dtype = _check_call("quack.gemm", A, B, out_dtype, cu_seqlens_m, cu_seqlens_k)
-    _check_epilogue(bias, activation, A, B, cu_seqlens_k)
+    out_dtype = _check_gemm("quack.gemm", A, B, out_dtype, cu_seqlens_m, cu_seqlens_k, bias, activation)
     return _call(A, B, out_dtype, cu_seqlens_m, cu_seqlens_k, bias, activation, described)
 
 
@@ -419,11 +467,26 @@ def gemm_glu(A: torch.Tensor, B: torch.Tensor, activation: str = "swiglu", out_d
     ``quack/gemm_dact.py``) before its two GEMMs.  Layouts, dtypes and
     errors as ``gemm``; N a multiple of 8.
     """
-    check_activation(activation, gated=True)
-    out_dtype = _check_call("quack.gemm_glu", A, B, out_dtype, cu_seqlens_m, None)
-    if B.shape[-1] % (2 * _ALIGN_ELEMENTS):
-        raise ValueError(f"B's {B.shape[-1]} columns must be 2 N with N a multiple of {_ALIGN_ELEMENTS} (TMA)")
+    out_dtype = _check_gemm("quack.gemm_glu", A, B, out_dtype, cu_seqlens_m, None, None, activation, gated=True)
     return _call(A, B, out_dtype, cu_seqlens_m, None, None, activation, None)
+
+
+def _check_gemm(op: str, A, B, out_dtype, cu_seqlens_m, cu_seqlens_k, bias, activation, gated: bool = False):
+    """Every check of a ``gemm`` (``gated``: ``gemm_glu``) call that raises
+    before a launch; returns the output dtype."""
+    check_activation_type(activation)
+    check_activation(activation, gated=gated)
+    out_dtype = _check_call(op, A, B, out_dtype, cu_seqlens_m, cu_seqlens_k)
+    if gated and B.shape[-1] % (2 * _ALIGN_ELEMENTS):
+        raise ValueError(f"B's {B.shape[-1]} columns must be 2 N with N a multiple of {_ALIGN_ELEMENTS} (TMA)")
+    _check_epilogue(bias, activation, A, B, cu_seqlens_k)
+    return out_dtype
+
+
+def check_activation_type(activation) -> None:
+    """An activation is named by a str (or None): TypeError for anything else."""
+    if activation is not None and not isinstance(activation, str):
+        raise TypeError(f"activation must be a str or None, got {type(activation).__name__} {activation!r}")
 
 
 def _check_call(op: str, A, B, out_dtype, cu_seqlens_m, cu_seqlens_k) -> torch.dtype:
@@ -440,24 +503,32 @@ def _check_call(op: str, A, B, out_dtype, cu_seqlens_m, cu_seqlens_k) -> torch.d
 
 def _call(A, B, out_dtype, cu_seqlens_m, cu_seqlens_k, bias, activation, described) -> torch.Tensor:
     """A checked call: its product, through autograd when it will be differentiated."""
-    grouping = "varlen_m" if cu_seqlens_m is not None else "varlen_k" if cu_seqlens_k is not None else "dense"
-    cu = cu_seqlens_m if cu_seqlens_m is not None else cu_seqlens_k
-    cu = cu.contiguous() if cu is not None else None
-    if not ti.will_backward(A, B, bias):
-        ops = _operands(A, B, out_dtype, cu, grouping, bias, activation)
+    backward = ti.will_backward(A, B, bias)
+    ops, cu = _call_operands(A, B, out_dtype, cu_seqlens_m, cu_seqlens_k, bias, activation, backward)
+    if not backward:
         if described is not None and not (ops.a is A and ops.b3.data_ptr() == B.data_ptr()):
             described = None  # a copy: the fast path would launch A and B themselves
         return _product(ops, cu, described=described)
-    if grouping == "varlen_k":
-        raise NotImplementedError("quack.gemm: gradients of a variable-length-K GEMM are not implemented")
-    # Kernels take plain tensors (DLPack refuses ones that require grad).
-    detached = bias.detach() if bias is not None else None
-    ops = _operands(A.detach(), B.detach(), out_dtype, cu, grouping, detached, activation, backward=True)
     plan = _plan(ops, cu, backward=True)
     if is_compile_only():
         # Warm the forward's and the backward's kernels; no graph on fake tensors.
         return differentiable_outputs(_product(ops, cu, plan), True)
     return _GemmFunction.apply(A, B, bias, ops, cu, plan)
+
+
+def _call_operands(A, B, out_dtype, cu_seqlens_m, cu_seqlens_k, bias, activation, backward: bool):
+    """A checked call's ``_Operands`` (detached for a call that will be
+    differentiated: kernels take plain tensors, DLPack refuses ones that
+    require grad) and its grouping offsets."""
+    grouping = "varlen_m" if cu_seqlens_m is not None else "varlen_k" if cu_seqlens_k is not None else "dense"
+    cu = cu_seqlens_m if cu_seqlens_m is not None else cu_seqlens_k
+    cu = cu.contiguous() if cu is not None else None
+    if not backward:
+        return _operands(A, B, out_dtype, cu, grouping, bias, activation), cu
+    if grouping == "varlen_k":
+        raise NotImplementedError("quack.gemm: gradients of a variable-length-K GEMM are not implemented")
+    detached = bias.detach() if bias is not None else None
+    return _operands(A.detach(), B.detach(), out_dtype, cu, grouping, detached, activation, backward=True), cu
 
 
 def _check_epilogue(bias, activation, A, B, cu_seqlens_k) -> None:
@@ -511,8 +582,12 @@ def _plan(ops: _Operands, cu, backward: bool = False) -> Optional[Plan]:
     tensors when the graph runs)."""
     if torch.compiler.is_compiling():
         return None
-    return plan_for(call_signature(ops.a, ops.b3, ops.out, cu, ops.a_m_major, ops.b_n_major, backward,
-                                   ops.activation, ops.bias))
+    return plan_for(_signature(ops, cu, backward))
+
+
+def _signature(ops: _Operands, cu, backward: bool) -> GemmCall:
+    """The signature of a call on these operands (``backward``: its plan also holds the backward's kernels)."""
+    return call_signature(ops.a, ops.b3, ops.out, cu, ops.a_m_major, ops.b_n_major, backward, ops.activation, ops.bias)
 
 
 def _product(ops: _Operands, cu, plan: Optional[Plan] = None, described: Optional[tuple] = None) -> torch.Tensor:
@@ -622,6 +697,11 @@ def _tma_ready(t: torch.Tensor) -> bool:
 
 # The fast path's key spells out_dtype as a number (-1: one the checks refuse).
 _OUT_DTYPE_CODES = {None: 0, torch.bfloat16: 1, torch.float16: 2, torch.float32: 3}
+
+
+def _out_dtype_code(out_dtype) -> int:
+    """out_dtype's number in the fast path's key (anything, unhashable too)."""
+    return _OUT_DTYPE_CODES.get(out_dtype, -1) if out_dtype is None or isinstance(out_dtype, torch.dtype) else -1
 
 
 def _dense_closure(plan: Plan, b3: torch.Tensor, out: torch.Tensor):

@@ -24,8 +24,8 @@ import torch
 
 from quack import torch_interop as ti
 from quack.compile_only import differentiable_outputs, is_compile_only
-from quack.gemm import (_ALIGN_ELEMENTS, _check_call, _operands, _plan, _product, gemm, gemm_glu, input_grads,
-                        kernel_ready)
+from quack.gemm import (_ALIGN_ELEMENTS, _check_call, _operands, _plan, _product, check_activation_type, gemm,
+                        gemm_glu, input_grads, kernel_ready)
 from quack.gemm_epilogue import ACTIVATIONS, GATED
 
 MLP_ACTIVATIONS = (*ACTIVATIONS[1:], *GATED)
@@ -39,12 +39,14 @@ def mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, activation: str = "
     layouts and errors as ``quack.gemm``; returns (M, N) in x's dtype.
     Differentiable in x, w1 and w2 (see the module docstring for what is
     saved)."""
+    check_activation_type(activation)
     if activation not in MLP_ACTIVATIONS:
         raise ValueError(f"activation must be one of {MLP_ACTIVATIONS}, got {activation!r}")
     gated = activation in GATED
     _check_call("quack.mlp", x, w1, None, cu_seqlens_m, None)
     if gated and w1.shape[-1] % (2 * _ALIGN_ELEMENTS):
         raise ValueError(f"w1's {w1.shape[-1]} columns must be 2 H with H a multiple of {_ALIGN_ELEMENTS} (TMA)")
+    ti.check_float("w2", w2, (x.dtype,))
     hidden = w1.shape[-1] // 2 if gated else w1.shape[-1]
     if w2.shape[-2] != hidden:
         raise ValueError(f"w2 must have {hidden} rows (the hidden layer's width), got shape {tuple(w2.shape)}")

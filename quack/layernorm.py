@@ -17,6 +17,7 @@ Test: ``pytest tests/test_layernorm.py``; benchmark: ``python tools/bench/layern
 
 from __future__ import annotations
 
+import math
 from typing import ClassVar, Optional
 
 import torch
@@ -26,8 +27,8 @@ from quack.cache import compile_options, fastpath, jit_cache
 from quack.compile_only import differentiable_outputs, is_compile_only
 from quack.cute_op import cute_op
 from quack.norm_backward_plan import grid_clusters
-from quack.plan import Kernel, Plan, Signature, plan_for, signature
-from quack.row_config import backward_config, forward_config
+from quack.plan import Kernel, Plan, Signature, blame, fake_tensor, plan_for, signature
+from quack.row_config import backward_config, check_eps, forward_config
 
 MAX_N = 262144
 
@@ -120,6 +121,25 @@ class LayerNormCall(Signature):
             (self.dtype, self.weight_dtype, self.bias_dtype is not None, self.n, ti.full_width(self.n, self.dtype)),
         )
         return (("forward", forward), ("backward", backward))
+
+    def rebuild(self) -> "LayerNormCall":
+        """The op's checks and signature of a call on one row of N (``plan.from_entry``):
+        x ``vec`` elements into its storage below the full vector width (its
+        alignment then gives that width), the parameters aligned."""
+        x = fake_tensor(self, "dtype", (1, 1))
+        with blame(self, "dtype"):
+            _validate(x, None, None)
+        with blame(self, "n"):
+            _validate(fake_tensor(self, "dtype", (1, self.n)), None, None)
+        offset = self.vec if 0 < self.vec < ti.full_width(self.n, self.dtype) else 0
+        x = fake_tensor(self, "dtype", (1, self.n), offset)
+        weight = fake_tensor(self, "weight_dtype", (self.n,))
+        with blame(self, "weight_dtype"):
+            _validate(x, weight, None)
+        bias = fake_tensor(self, "bias_dtype", (self.n,))
+        with blame(self, "bias_dtype"):
+            _validate(x, weight, bias)
+        return call_signature(x, weight, bias, self.backward)
 
 
 def call_signature(x, weight, bias, backward: bool) -> LayerNormCall:
@@ -267,10 +287,13 @@ def layernorm(x, weight=None, bias=None, eps: float = 1e-5):
     """LayerNorm over the last dimension.
 
     x: (..., N) contiguous CUDA tensor, float32/float16/bfloat16, N <= 262144.
-    weight, bias: (N,), float32 or x's dtype, each optional.  Returns y like
-    x.  Raises TypeError for a wrong dtype and ValueError for a wrong device,
-    shape or layout, before any launch.
+    weight, bias: (N,), float32 or x's dtype, each optional.  eps: a finite
+    real number >= 0.  Returns y like x.  Raises TypeError for a wrong dtype
+    or eps type and ValueError for a wrong device, shape, layout or eps
+    value, before any launch.
     """
+    if eps.__class__ is not float or not 0.0 <= eps < math.inf:  # (the usual float, cheaply)
+        eps = check_eps(eps)
     y = NotImplemented if fastpath.tracing() else _FAST.call(3, x, weight, bias, eps)
     if y is not NotImplemented:
         return y

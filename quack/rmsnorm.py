@@ -16,6 +16,7 @@ Test: ``pytest tests/test_rmsnorm.py``; benchmark: ``python tools/bench/rmsnorm.
 
 from __future__ import annotations
 
+import math
 from typing import ClassVar, Optional
 
 import torch
@@ -25,8 +26,8 @@ from quack.cache import compile_options, fastpath, jit_cache
 from quack.compile_only import differentiable_outputs, is_compile_only
 from quack.cute_op import cute_op
 from quack.norm_backward_plan import grid_clusters
-from quack.plan import Kernel, Plan, Signature, plan_for, signature
-from quack.row_config import backward_config, forward_config
+from quack.plan import Kernel, Plan, Signature, blame, fake_tensor, plan_for, signature
+from quack.row_config import backward_config, check_eps, forward_config
 
 MAX_N = 262144
 
@@ -108,6 +109,23 @@ class RMSNormCall(Signature):
             compile_rmsnorm_bwd, (self.dtype, self.weight_dtype, self.residual, self.n, ti.full_width(self.n, self.dtype))
         )
         return (("forward", forward), ("backward", backward))
+
+    def rebuild(self) -> "RMSNormCall":
+        """The op's checks and signature of a call on one row of N (``plan.from_entry``):
+        x ``vec`` elements into its storage below the full vector width (its
+        alignment then gives that width), the other tensors aligned."""
+        x = fake_tensor(self, "dtype", (1, 1))
+        with blame(self, "dtype"):
+            _validate(x, None, None)
+        with blame(self, "n"):
+            _validate(fake_tensor(self, "dtype", (1, self.n)), None, None)
+        offset = self.vec if 0 < self.vec < ti.full_width(self.n, self.dtype) else 0
+        x = fake_tensor(self, "dtype", (1, self.n), offset)
+        weight = fake_tensor(self, "weight_dtype", (self.n,))
+        residual = fake_tensor(self, "dtype", (1, self.n)) if self.residual else None
+        with blame(self, "weight_dtype"):
+            _validate(x, weight, residual)
+        return call_signature(x, weight, residual, self.backward)
 
 
 def call_signature(x, weight, residual, backward: bool) -> RMSNormCall:
@@ -248,13 +266,17 @@ class _RMSNormFunction(torch.autograd.Function):
         return dh, dw, dh if ctx.has_residual else None, None, None
 
 
-def rmsnorm(x, weight=None, eps: float = 1e-6, residual=None):
+def rmsnorm(x, weight=None, eps: Optional[float] = 1e-6, residual=None):
     """RMSNorm over the last dimension; ``(y, x + residual)`` when a residual is given.
 
     x: (..., N) contiguous CUDA tensor, float32/float16/bfloat16.  weight: (N,),
-    float32 or x's dtype.  residual: like x.  Raises TypeError for a wrong
-    dtype and ValueError for a wrong device, shape or layout.
+    float32 or x's dtype.  residual: like x.  eps: a finite real number >= 0,
+    or None for ``torch.nn.functional.rms_norm``'s default, the machine
+    epsilon of x's dtype.  Raises TypeError for a wrong dtype or eps type and
+    ValueError for a wrong device, shape, layout or eps value.
     """
+    if eps.__class__ is not float or not 0.0 <= eps < math.inf:  # (the usual float, cheaply)
+        eps = _eps(eps, x)
     result = NotImplemented if fastpath.tracing() else _FAST.call(3, x, weight, residual, eps)
     if result is not NotImplemented:
         return result
@@ -278,6 +300,14 @@ def rmsnorm(x, weight=None, eps: float = 1e-6, residual=None):
     return differentiable_outputs((y, h) if residual is not None else y, store_rstd)
 
 
+def _eps(eps, x) -> float:
+    """eps as the kernels take it (``row_config.check_eps``); None is the
+    machine epsilon of x's dtype, as in ``torch.nn.functional.rms_norm``."""
+    if eps is None and isinstance(x, torch.Tensor) and x.dtype.is_floating_point:
+        return torch.finfo(x.dtype).eps
+    return check_eps(eps)
+
+
 def _inference_closure(plan: Plan, device: torch.device, has_residual: bool):
     """The eager fast path's launch for calls like this one (``quack/cache/fastpath.py``):
     x, residual and both outputs go to the kernel as rows, unviewed."""
@@ -288,8 +318,9 @@ def _inference_closure(plan: Plan, device: torch.device, has_residual: bool):
     return fastpath.like_closure(launch, 1, (0, 1, none, out(0), none, none, 3, none))  # -> y
 
 
-def rmsnorm_ref(x, weight=None, eps: float = 1e-6, residual=None):
+def rmsnorm_ref(x, weight=None, eps: Optional[float] = 1e-6, residual=None):
     """fp32 reference with the same signature and return convention."""
+    eps = _eps(eps, x)
     h = x.float() + residual.float() if residual is not None else x.float()
     y = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     if weight is not None:

@@ -1,11 +1,13 @@
 """Launch settings of the row-wise kernels, decided on the host from N and
-the element width: what a call needs before it launches, without the CuTe
-DSL (``quack/rowwise.py`` holds the kernels' shared device code and imports
-it).  See ``quack/rowwise.py`` for the thread mapping these settings drive."""
+the element width, and the norms' eps: what a call needs before it launches,
+without the CuTe DSL (``quack/rowwise.py`` holds the kernels' shared device
+code and imports it).  See ``quack/rowwise.py`` for the thread mapping these
+settings drive."""
 
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 
 # CTAs per SM that kernels staging a long row in shared memory (``stage_row``)
@@ -118,3 +120,16 @@ def vector_width(n: int, element_bytes: int, *tensors: tuple[int, int]) -> int:
     while vec > 1 and any(addr % min(16, vec * size) for addr, size in tensors):
         vec //= 2
     return vec
+
+
+def check_eps(eps) -> float:
+    """A norm's eps as its kernels take it (an fp32 launch argument): a real
+    number, finite and >= 0 (0 allowed, as torch does).  TypeError for
+    anything else (a string, None, a bool, a tensor), ValueError for NaN,
+    inf or a negative number."""
+    if isinstance(eps, bool) or not isinstance(eps, numbers.Real):
+        raise TypeError(f"eps must be a real number, got {type(eps).__name__} {eps!r}")
+    value = float(eps)
+    if not 0.0 <= value < math.inf:
+        raise ValueError(f"eps must be finite and >= 0, got {eps!r}")
+    return value

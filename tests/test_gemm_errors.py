@@ -88,3 +88,42 @@ def test_gated():
         quack.gemm_glu(_cuda(8, 16), _cuda(16, 16, dtype=torch.float16))
     with pytest.raises(ValueError, match="3-D"):
         quack.gemm_glu(_cuda(8, 16), _cuda(16, 16), cu_seqlens_m=_cuda(2, dtype=torch.int32))
+
+
+def test_option_arguments_of_the_wrong_type():
+    for out_dtype in ([], "bfloat16", 3):
+        with pytest.raises(TypeError, match=r"out_dtype must be torch.bfloat16, torch.float16 or torch.float32, got"):
+            quack.gemm(_cuda(8, 8), _cuda(8, 8), out_dtype=out_dtype)
+        with pytest.raises(TypeError, match="out_dtype must be"):
+            quack.gemm_glu(_cuda(8, 8), _cuda(8, 16), out_dtype=out_dtype)
+    for activation in ([], 3, {"relu"}):
+        with pytest.raises(TypeError, match="activation must be a str or None, got"):
+            quack.gemm(_cuda(8, 8), _cuda(8, 8), activation=activation)
+        with pytest.raises(TypeError, match="activation must be a str or None, got"):
+            quack.gemm_glu(_cuda(8, 8), _cuda(8, 16), activation=activation)
+        with pytest.raises(TypeError, match="activation must be a str or None, got"):
+            quack.mlp(_cuda(8, 8), _cuda(8, 16), _cuda(16, 8), activation=activation)
+    with pytest.raises(TypeError, match="bias must be a torch.Tensor, got list"):
+        quack.gemm(_cuda(8, 8), _cuda(8, 8), bias=[0.0] * 8)
+    with pytest.raises(TypeError, match="cu_seqlens_m must be an int32 torch.Tensor, got list"):
+        quack.gemm(_cuda(8, 8), _cuda(1, 8, 8), cu_seqlens_m=[0, 8])
+    with pytest.raises(TypeError, match="cu_seqlens_k must be an int32 torch.Tensor, got tuple"):
+        quack.gemm(_cuda(8, 8), _cuda(8, 8), cu_seqlens_k=(0, 8))
+    with pytest.raises(TypeError, match="cu_seqlens_m must be an int32 torch.Tensor, got list"):
+        quack.mlp(_cuda(8, 8), _cuda(1, 8, 16), _cuda(1, 16, 8), "relu", cu_seqlens_m=[0, 8])
+    with pytest.raises(TypeError, match="w2 must be a torch.Tensor, got list"):
+        quack.mlp(_cuda(8, 8), _cuda(8, 16), [[0.0] * 8] * 16, "relu")
+
+
+def test_an_unhashable_out_dtype_reaches_the_checks_on_the_fast_path(monkeypatch):
+    # Outside compile-only mode the call first tries the eager fast path,
+    # whose key spells out_dtype as a number.
+    from quack.compile_only import _COMPILE_ONLY_DEPTH
+
+    token = _COMPILE_ONLY_DEPTH.set(0)
+    try:
+        with pytest.raises(ValueError, match="A must be on a CUDA device"):
+            quack.gemm(torch.ones(8, 8, dtype=torch.bfloat16, device="cpu"), torch.ones(8, 8, dtype=torch.bfloat16),
+                       out_dtype=[])
+    finally:
+        _COMPILE_ONLY_DEPTH.reset(token)

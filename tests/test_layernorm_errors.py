@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import quack
+import quack.plan
 from cache_fixtures.fake_cuda import cuda_empty as _cuda
 from cache_fixtures.fake_cuda import fake  # noqa: F401  (the fixture below)
 
@@ -55,3 +56,21 @@ def test_too_long_and_empty_rows():
 def test_not_a_tensor():
     with pytest.raises(TypeError, match="torch.Tensor"):
         quack.layernorm([1.0, 2.0], None)
+
+
+@pytest.mark.parametrize("eps, error", [
+    ("abc", TypeError), (None, TypeError), (float("nan"), ValueError), (float("-inf"), ValueError),
+    (-1e-5, ValueError),
+])
+def test_eps_must_be_a_finite_real_number_not_negative(eps, error):
+    # None too: torch.nn.functional.layer_norm takes a float.
+    with pytest.raises(error, match="eps must be"):
+        quack.layernorm(_cuda(4, 8), _cuda(8), None, eps)
+
+
+def test_eps_zero_reaches_the_kernel(monkeypatch):
+    launches = []
+    monkeypatch.setattr(quack.plan.Kernel, "load", lambda kernel: lambda *args: launches.append(args))
+    quack.layernorm(_cuda(4, 8), eps=0)
+    (args,) = launches
+    assert type(args[6]) is float and args[6] == 0.0

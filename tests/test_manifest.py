@@ -177,6 +177,131 @@ def test_a_record_file_that_cannot_be_written_does_not_fail_the_call(tmp_path, m
     assert manifest.read(later) == [sig]
 
 
+def test_a_record_file_with_bytes_that_are_not_utf8_still_records(tmp_path, monkeypatch):
+    record = tmp_path / "calls.jsonl"
+    record.write_bytes(manifest.HEADER.encode() + b"\n# caf\xe9 \xff\n")
+    monkeypatch.setenv(manifest.RECORD_ENV, str(record))
+    sig = SoftmaxCall("float32", 13, 1, False)
+    plan.plan_for(sig)
+    assert record.read_bytes().endswith(b"\xff\n" + plan.entry_line(sig).encode() + b"\n")
+    # A reader names the line it cannot decode.
+    record.write_bytes(record.read_bytes().replace(b"# caf", b"caf"))
+    with pytest.raises(manifest.ManifestError, match=r"calls.jsonl:2: not UTF-8"):
+        manifest.read(record)
+
+
+def test_recording_never_fails_the_call(tmp_path, monkeypatch, caplog):
+    def broken(path, line):
+        raise RuntimeError("something unforeseen")
+
+    monkeypatch.setattr(manifest, "_append_once", broken)
+    monkeypatch.setenv(manifest.RECORD_ENV, str(tmp_path / "calls.jsonl"))
+    for n in (17, 19):
+        plan.plan_for(SoftmaxCall("float32", n, 1, False))
+    assert caplog.text.count("cannot record") == 1 and "something unforeseen" in caplog.text
+
+
+def _counting_reads(monkeypatch) -> list:
+    reads = []
+    real = manifest.os.pread
+
+    def pread(fd, size, offset):
+        data = real(fd, size, offset)
+        reads.append(len(data))
+        return data
+
+    monkeypatch.setattr(manifest.os, "pread", pread)
+    return reads
+
+
+def test_a_record_file_is_read_once_per_process(tmp_path, monkeypatch):
+    record = tmp_path / "calls.jsonl"
+    manifest.write(record, [SoftmaxCall("bfloat16", n, 8, True) for n in range(8, 8 * 2000, 8)])
+    size = record.stat().st_size
+    reads = _counting_reads(monkeypatch)
+    monkeypatch.setenv(manifest.RECORD_ENV, str(record))
+    new = [SoftmaxCall("float16", n, 8, False) for n in (8, 16, 24)]
+    for sig in new + [SoftmaxCall("bfloat16", 8, 8, True)]:  # the last one is there already
+        plan.plan_for(sig)
+    assert sum(reads) == size
+    assert manifest.read(record)[-3:] == new and len(manifest.read(record)) == 1999 + 3
+
+
+def test_lines_another_process_appended_are_seen(tmp_path):
+    path = str(tmp_path / "calls.jsonl")
+    mine, theirs = SoftmaxCall("float32", 21, 1, False), SoftmaxCall("float32", 23, 1, False)
+    manifest._append_once(path, plan.entry_line(mine))  # this process has read the file
+    ctx = multiprocessing.get_context("spawn")
+    other = ctx.Process(target=_record_all, args=(path, [theirs]))
+    other.start()
+    other.join()
+    assert other.exitcode == 0
+    manifest._append_once(path, plan.entry_line(theirs))
+    assert Path(path).read_text().splitlines() == [manifest.HEADER, plan.entry_line(mine), plan.entry_line(theirs)]
+    # A file replaced under the same name is read anew.
+    Path(path).unlink()
+    manifest._append_once(path, plan.entry_line(theirs))
+    assert Path(path).read_text().splitlines() == [manifest.HEADER, plan.entry_line(theirs)]
+
+
+def test_what_a_recorder_remembers_is_bounded(tmp_path, monkeypatch):
+    monkeypatch.setattr(manifest, "MAX_SEEN", 4)
+    record = tmp_path / "calls.jsonl"
+    manifest.write(record, [SoftmaxCall("float32", n, 1, False) for n in range(1, 11)])
+    manifest._append_once(str(record), plan.entry_line(SoftmaxCall("float32", 99, 1, False)))
+    assert len(manifest._SEEN[str(record)].lines) == 4
+    # Past the bound a line may be written twice; readers drop the duplicate.
+    manifest._append_once(str(record), plan.entry_line(SoftmaxCall("float32", 9, 1, False)))
+    assert len(manifest.read(record)) == 11
+
+
+RMSNORM_ENTRY = RMSNormCall("bfloat16", "float32", True, 4096, 8, True).entry()
+GEMM_ENTRY = GemmCall("bfloat16", "bfloat16", False, True, "dense", 256, True, 256, None, None).entry()
+
+
+@pytest.mark.parametrize("entry, message", [
+    ({**RMSNORM_ENTRY, "n": 0}, "field 'n' = 0: x must have shape"),
+    ({**RMSNORM_ENTRY, "n": 262152}, "field 'n' = 262152: N = 262152 is larger than the supported 262144"),
+    ({**RMSNORM_ENTRY, "n": -8}, "field 'n' = -8: no tensor has shape"),
+    ({**RMSNORM_ENTRY, "vec": 3}, "field 'vec' is 3, which no call has: a call with the entry's other fields has 1"),
+    ({**RMSNORM_ENTRY, "vec": 64}, "field 'vec' is 64, which no call has"),
+    ({**RMSNORM_ENTRY, "n": 4097}, "field 'vec' is 8, which no call has"),
+    ({**RMSNORM_ENTRY, "dtype": "float64"}, "field 'dtype' = \"float64\": x has dtype float64"),
+    ({**RMSNORM_ENTRY, "dtype": "bf16"}, "field 'dtype' must name a torch dtype, got 'bf16'"),
+    ({**RMSNORM_ENTRY, "weight_dtype": "float16"}, "field 'weight_dtype' = \"float16\": weight has dtype float16"),
+    ({**LayerNormCall("float32", None, "bfloat16", 64, 4, False).entry()}, "field 'bias_dtype' = \"bfloat16\""),
+    ({**GEMM_ENTRY, "tile_n": 7}, "field 'tile_n' is 7, which no call has"),
+    ({**GEMM_ENTRY, "grad_a_tile_n": 0}, "field 'grad_a_tile_n' is 0"),
+    ({**GEMM_ENTRY, "ab_dtype": "float32"}, "field 'ab_dtype' = \"float32\": A has dtype float32"),
+    ({**GEMM_ENTRY, "out_dtype": "float64"}, "field 'out_dtype' = \"float64\": out_dtype must be"),
+    ({**GEMM_ENTRY, "activation": "gelu"}, "field 'activation' = \"gelu\": activation must be one of"),
+    ({**GEMM_ENTRY, "bias_dtype": "float16"}, "field 'bias_dtype' = \"float16\": bias has dtype float16"),
+    ({**GEMM_ENTRY, "grouping": "varlen_k"}, "field 'backward' = true: .* variable-length-K"),
+    ({**GEMM_ENTRY, "grouping": "varlen_m", "a_m_major": True}, "field 'a_m_major' is true"),
+    ({**GEMM_ENTRY, "activation": "swiglu", "bias_dtype": "bfloat16"}, "field 'bias_dtype' is \"bfloat16\""),
+    ({**GEMM_ENTRY, "activation": "dswiglu", "tile_n": 128}, "field 'backward' is true"),
+])
+def test_entries_no_call_has_are_refused_by_line_and_field(tmp_path, entry, message):
+    path = tmp_path / "calls.jsonl"
+    path.write_text("\n".join([manifest.HEADER, plan.entry_line(SIGNATURES[0]), json.dumps(entry)]) + "\n")
+    with pytest.raises(manifest.ManifestError, match=f"calls.jsonl:3: {entry['op']} entry {message}"):
+        manifest.read(path)
+
+
+def test_entries_of_every_kind_of_call_are_accepted(tmp_path):
+    sigs = [
+        RMSNormCall("float16", None, False, 4097, 1, False),
+        LayerNormCall("bfloat16", "bfloat16", "float32", 262144, 2, True),
+        GemmCall("bfloat16", "float32", True, False, "dense", 128, True, 128, "relu", "float32"),
+        GemmCall("float16", "float16", False, True, "varlen_m", 256, False, 0, "swiglu", None),
+        GemmCall("bfloat16", "bfloat16", False, False, "varlen_m", 128, False, 0, "dgeglu", None),
+        GemmCall("bfloat16", "float32", True, True, "varlen_k", 256, False, 0, None, None),
+    ]
+    path = tmp_path / "calls.jsonl"
+    manifest.write(path, sigs)
+    assert set(manifest.read(path)) == set(sigs)
+
+
 def test_a_signature_without_kernels_is_refused_at_definition():
     with pytest.raises(TypeError, match="defines no kernels"):
         @plan.signature

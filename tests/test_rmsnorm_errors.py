@@ -1,9 +1,11 @@
 """RMSNorm input validation: clear errors before any launch (no GPU needed)."""
 
+import numpy as np
 import pytest
 import torch
 
 import quack
+import quack.plan
 from cache_fixtures.fake_cuda import cuda_empty as _cuda
 from cache_fixtures.fake_cuda import fake  # noqa: F401  (the fixture below)
 
@@ -53,6 +55,29 @@ def test_too_long_and_empty_rows():
 def test_not_a_tensor():
     with pytest.raises(TypeError, match="torch.Tensor"):
         quack.rmsnorm([1.0, 2.0])
+
+
+@pytest.mark.parametrize("eps, error", [
+    ("abc", TypeError), ([1e-6], TypeError), (True, TypeError), (torch.tensor(1e-6), TypeError),
+    (float("nan"), ValueError), (float("inf"), ValueError), (-1.0, ValueError), (-1, ValueError),
+])
+def test_eps_must_be_a_finite_real_number_not_negative(eps, error):
+    with pytest.raises(error, match="eps must be"):
+        quack.rmsnorm(_cuda(4, 8), eps=eps)
+    with pytest.raises(error, match="eps must be"):
+        quack.rmsnorm(_cuda(4, 8), _cuda(8), eps, _cuda(4, 8))
+
+
+@pytest.mark.parametrize("eps, expected", [
+    (None, torch.finfo(torch.bfloat16).eps), (0, 0.0), (np.float32(0.5), 0.5), (1e-6, 1e-6),
+])
+def test_the_kernel_gets_eps_as_a_float(eps, expected, monkeypatch):
+    # None: torch.nn.functional.rms_norm's default, the machine epsilon of x's dtype.
+    launches = []
+    monkeypatch.setattr(quack.plan.Kernel, "load", lambda kernel: lambda *args: launches.append(args))
+    quack.rmsnorm(_cuda(4, 8), eps=eps)
+    (args,) = launches
+    assert type(args[6]) is float and args[6] == expected
 
 
 def test_vector_width_follows_n_and_alignment():

@@ -9,8 +9,14 @@ import quack
 from cache_fixtures.env import cache_env  # noqa: F401  (fixture)
 from cache_fixtures.fake_cuda import cuda_empty as _cuda
 from cache_fixtures.fake_cuda import fake  # noqa: F401  (fixture)
+from quack import plan
 from quack import torch_interop as ti
 from quack.cache import stats
+from quack.cross_entropy import CrossEntropyCall
+from quack.gemm import GemmCall
+from quack.layernorm import LayerNormCall
+from quack.rmsnorm import RMSNormCall
+from quack.softmax import SoftmaxCall
 
 ROWWISE = {
     "rmsnorm": lambda x: quack.rmsnorm(x),
@@ -78,3 +84,39 @@ def test_arch_strings():
     assert ti.arch_capability("sm_80") == (8, 0)
     with pytest.raises(ValueError, match="not a GPU arch"):
         ti.arch_capability("hopper")
+
+
+
+CALLS = {
+    **ROWWISE,
+    "gemm": lambda x: quack.gemm(x, _cuda(64, 64)),
+    "gemm_glu": lambda x: quack.gemm_glu(x, _cuda(64, 64)),
+    "mlp": lambda x: quack.mlp(x, _cuda(64, 64), _cuda(32, 64)),
+}
+# A manifest signature of each op family (gemm_glu's and mlp's are gemm's).
+SIGNATURES = {
+    "rmsnorm": RMSNormCall("bfloat16", None, False, 64, 8, False),
+    "layernorm": LayerNormCall("bfloat16", None, None, 64, 8, False),
+    "softmax": SoftmaxCall("bfloat16", 64, 8, False),
+    "cross_entropy": CrossEntropyCall("bfloat16", "int64", 64, 8, "none", False),
+    "gemm": GemmCall("bfloat16", "bfloat16", False, True, "dense", 128, False, 0, None, None),
+}
+
+
+@pytest.mark.parametrize("op, arch", [
+    *((op, "sm_95") for op in sorted(ROWWISE)),  # Hopper-or-newer numbers, but no such arch
+    *((op, arch) for op in ("gemm", "gemm_glu", "mlp") for arch in ("sm_90", "sm_95")),  # WGMMA needs sm_90a
+])
+def test_a_compile_target_the_kernels_cannot_build_for_is_refused_before_compiling(op, arch, monkeypatch, cache_env):
+    from quack.compile_only import compile_only_mode
+
+    monkeypatch.setenv("QUACK_ARCH", arch)
+    with compile_only_mode():
+        with pytest.raises(ValueError, match=rf"(cannot be compiled for |needs an sm_90 GPU .*QUACK_ARCH=){arch}"):
+            CALLS[op](_cuda(64, 64))
+    # A manifest's signature, warmed with no op call, is refused alike, naming what its kernels build for.
+    sig = SIGNATURES.get(op, SIGNATURES["gemm"])
+    accepted = "sm_90a$" if isinstance(sig, GemmCall) else "sm_90, sm_90a, sm_100, .*, sm_121f$"
+    with compile_only_mode(), pytest.raises(ValueError, match=rf"cannot be compiled for {arch} .*build for {accepted}"):
+        plan.plan_for(sig).warm()
+    assert stats()["compiles"] == stats()["exports"] == 0 and not cache_env.writable.exists()

@@ -7,15 +7,20 @@ and lines starting with ``#`` are comments.  tools/warm_cache.py warms every
 entry through the plans; ``QUACK_CACHE_RECORD=FILE`` makes any run append the
 signature of each call it makes.
 
-Recording is safe with many processes and threads: each new line is appended
-under an exclusive ``flock`` after reading what is there, so a line is
-written once; a line is one ``write``, and a last line cut short by a
-process that died mid-write is skipped by readers and dropped by the next
-recorder.
+Recording never fails a call: a record file that cannot be read or written
+is warned about once and the call goes on.  It is safe with many processes
+and threads: each new line is appended under an exclusive ``flock``, as one
+``write`` to a file opened ``O_APPEND``, after this process has read what was
+added since it last looked (each byte of the file is read once per process),
+so a line is written once.  What a process has seen is kept as one hash per
+line, at most ``MAX_SEEN`` of them (a longer file may get duplicate lines,
+which readers drop).  A last line cut short by a process that died mid-write
+is skipped by readers and dropped by the next recorder.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import json
 import logging
@@ -27,6 +32,9 @@ FORMAT = "quack-calls"
 VERSION = 4  # 4: gemm signatures name A's layout and their backward (3: cross_entropy's reduction)
 RECORD_ENV = "QUACK_CACHE_RECORD"
 HEADER = json.dumps({"format": FORMAT, "version": VERSION}, sort_keys=True)
+# Lines of a record file a process remembers (a hash each: about 20 MB).
+MAX_SEEN = 1 << 18
+_CHUNK = 1 << 20  # bytes read at a time; a longer line is remembered by its first _CHUNK bytes
 
 log = logging.getLogger("quack.manifest")
 _RECORDED: set[tuple[str, object]] = set()  # (file, signature) this process has recorded there
@@ -40,14 +48,25 @@ class ManifestError(ValueError):
 
 def read(path, ops=None) -> list:
     """The signatures of a manifest, in file order, duplicates dropped; only
-    those of ``ops`` (op names, which are the kernel families) when given."""
+    those of ``ops`` (op names, which are the kernel families) when given.
+    Every entry is checked against what its op accepts (``plan.from_entry``)."""
     from quack import plan
 
     path = Path(path)
-    text = path.read_text()
-    lines = text.split("\n")
-    body = [(i + 1, line.strip()) for i, line in enumerate(lines)]
-    body = [(no, line) for no, line in body if line and not line.startswith("#")]
+    raw = path.read_bytes()
+    lines = raw.split(b"\n")
+    cut_short = not raw.endswith(b"\n")  # its last line, if it does not parse: a recorder stopped mid-write
+    body = []
+    for no, line in enumerate(lines, 1):
+        try:
+            text = line.decode().strip()
+        except UnicodeDecodeError as e:
+            if no == len(lines) and cut_short:
+                text = line.decode(errors="replace").strip()  # skipped below, as a line cut short
+            else:
+                raise ManifestError(f"{path}:{no}: not UTF-8 text ({e})") from None
+        if text and not text.startswith("#"):
+            body.append((no, text))
     if not body:
         raise ManifestError(f"{path}: empty; a manifest starts with the header line {HEADER}")
     _check_header(path, body[0])
@@ -56,7 +75,7 @@ def read(path, ops=None) -> list:
         try:
             entry = json.loads(line)
         except json.JSONDecodeError as e:
-            if no == len(lines) and not text.endswith("\n"):
+            if no == len(lines) and cut_short:
                 log.warning("%s: line %d is cut short (a recorder stopped mid-write); skipped", path, no)
                 continue
             raise ManifestError(f"{path}:{no}: not JSON: {e}") from None
@@ -109,7 +128,9 @@ def write(path, signatures, comment: str = "") -> None:
 
 
 def record(sig) -> None:
-    """Append ``sig`` to the ``QUACK_CACHE_RECORD`` file, if set, unless it is there."""
+    """Append ``sig`` to the ``QUACK_CACHE_RECORD`` file, if set, unless it is
+    there.  Never raises: a file that cannot be recorded to is warned about
+    once and the call goes on."""
     path = os.environ.get(RECORD_ENV)
     if not path:
         return
@@ -121,33 +142,82 @@ def record(sig) -> None:
         _RECORDED.add((path, sig))
         try:
             _append_once(path, plan.entry_line(sig))
-        except (OSError, ManifestError) as e:
-            # The call itself must not fail for it; say so once per file.
+        except Exception as e:  # noqa: BLE001 (whatever the file holds, the call itself must not fail)
             if path not in _FAILED:
                 _FAILED.add(path)
                 log.warning("%s=%s: cannot record (%s); calls are not recorded there", RECORD_ENV, path, e)
 
 
+@dataclasses.dataclass
+class _Seen:
+    """What this process has read of one record file: up to ``offset`` (the
+    end of its last complete line), a hash of each line (stripped), and
+    whether those lines hold the header and any other line but comments."""
+
+    file: tuple[int, int]  # (st_dev, st_ino): a file replaced under the same name is read again
+    offset: int = 0
+    lines: set[int] = dataclasses.field(default_factory=set)
+    header: bool = False
+    body: bool = False
+
+    def add(self, line: bytes) -> None:
+        line = line.strip()
+        if not line or line.startswith(b"#"):
+            return
+        self.body = True
+        if not self.header and FORMAT.encode() in line:
+            self.header = _is_header(line.decode(errors="replace"))
+        if len(self.lines) < MAX_SEEN:
+            self.lines.add(hash(line))
+
+
+_SEEN: dict[str, _Seen] = {}  # record file -> what this process has read of it
+
+
 def _append_once(path: str, line: str) -> None:
+    """Append ``line`` to the record file ``path`` unless it is there, under
+    an exclusive ``flock`` (the caller holds ``_LOCK``)."""
+    data = line.encode()
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
-        size = os.fstat(fd).st_size
-        text = os.pread(fd, size, 0).decode() if size else ""
-        present = {x.strip() for x in text.split("\n")}
-        if line in present:
+        seen = _read_new_lines(path, fd)
+        if hash(data) in seen.lines:
             return
-        out = ""
-        if text and not text.endswith("\n"):
-            # Drop a line cut short by a recorder that died mid-write.
-            text = text[: text.rfind("\n") + 1]
-            os.ftruncate(fd, len(text.encode()))
-            present = {x.strip() for x in text.split("\n")}
-        body = [x for x in present if x and not x.startswith("#")]
-        if not body:
-            out += HEADER + "\n"
-        elif not any(_is_header(x) for x in body):
+        if seen.header:
+            out = data + b"\n"
+        elif seen.body:
             raise ManifestError(f"{path}: {RECORD_ENV} names a file that is not a quack manifest")
-        os.write(fd, (out + line + "\n").encode())
+        else:
+            out = HEADER.encode() + b"\n" + data + b"\n"
+        os.write(fd, out)
+        for written in out.split(b"\n"):
+            seen.add(written)
+        seen.offset += len(out)
     finally:
         os.close(fd)
+
+
+def _read_new_lines(path: str, fd: int) -> _Seen:
+    """Bring what this process has seen of the locked file ``fd`` up to its
+    end, reading only what was appended since; a last line cut short (a
+    recorder that died mid-write) is dropped from the file."""
+    st = os.fstat(fd)
+    seen = _SEEN.get(path)
+    if seen is None or seen.file != (st.st_dev, st.st_ino) or st.st_size < seen.offset:
+        seen = _SEEN[path] = _Seen((st.st_dev, st.st_ino))
+    pos, rest = seen.offset, b""
+    while pos < st.st_size:
+        chunk = os.pread(fd, min(_CHUNK, st.st_size - pos), pos)
+        if not chunk:
+            break
+        *lines, rest = (rest + chunk).split(b"\n")
+        for complete in lines:
+            seen.add(complete)
+        rest = rest[:_CHUNK]
+        if lines:
+            seen.offset = pos + chunk.rfind(b"\n") + 1
+        pos += len(chunk)
+    if seen.offset < st.st_size:
+        os.ftruncate(fd, seen.offset)
+    return seen
