@@ -1,6 +1,6 @@
 """Threads and processes at once (no GPU): compiles serialised across threads while lookups and
 loads stay concurrent, and a bounded stress run of processes compiling, loading, pruning,
-verifying and installing in one layer beside a user's own files."""
+verifying, installing and recording in one layer beside a user's own files."""
 
 import json
 import os
@@ -165,6 +165,34 @@ _REAL_COMPILES = textwrap.dedent(
 )
 
 
+_RECORDER = textwrap.dedent(
+    """
+    import json, os, random, sys, threading, time
+    sys.path[:0] = [os.environ["REPO"]]
+    from quack.cache import manifest
+    signatures = manifest.read(os.path.join(os.environ["REPO"], "tools", "configs", "production.jsonl"))
+    deadline = time.monotonic() + float(os.environ["SECONDS"])
+    counts = {"calls": 0, "errors": []}
+
+    def record(seed):
+        rng = random.Random(seed)
+        while time.monotonic() < deadline:
+            try:
+                manifest.record(rng.choice(signatures))
+                counts["calls"] += 1
+            except Exception as exc:
+                counts["errors"].append(f"{type(exc).__name__}: {exc}")
+
+    threads = [threading.Thread(target=record, args=(os.getpid() * 10 + i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    print(json.dumps({"calls": counts["calls"], "errors": counts["errors"][:5], "distinct": len(signatures)}))
+    """
+)
+
+
 def _foreign_files(root: Path) -> dict[str, bytes]:
     files = {"notes.txt": b"mine", "poetry.lock": b"lock", "Documents/a.o": b"not a kernel",
              f"{FAMILY}/README": b"kept"}
@@ -194,8 +222,10 @@ def test_stress_threads_and_processes_on_one_layer(cache_env, capsys):
                                 stderr=subprocess.PIPE, text=True)
 
     workers = [start(_WORKER, **({"QUACK_CACHE_MAX_SIZE": "48K"} if i == 0 else {})) for i in range(4)]
+    record = cache_env.tmp / "calls.jsonl"
     others = [start(_MAINTAINER, JOB="prune"), start(_MAINTAINER, JOB="verify"),
-              start(_MAINTAINER, JOB="install", BUNDLE=str(bundle)), start(_REAL_COMPILES)]
+              start(_MAINTAINER, JOB="install", BUNDLE=str(bundle)), start(_REAL_COMPILES),
+              start(_RECORDER, QUACK_CACHE_RECORD=str(record)), start(_RECORDER, QUACK_CACHE_RECORD=str(record))]
     results, crashes = [], []
     for proc in workers + others:
         out, err = proc.communicate(timeout=240)
@@ -204,18 +234,23 @@ def test_stress_threads_and_processes_on_one_layer(cache_env, capsys):
             continue
         results.append(json.loads(out.strip().splitlines()[-1]))
     assert not crashes, crashes
-    hammers, (pruner, verifier, installer, compiler) = results[:4], results[4:]
+    hammers, (pruner, verifier, installer, compiler, *recorders) = results[:4], results[4:]
     calls = sum(r["calls"] for r in hammers) + compiler["calls"]
     wrong = sum(r["wrong_loads"] for r in hammers)
-    errors = [e for r in hammers for e in r["errors"]] + compiler["errors"]
+    errors = [e for r in hammers + recorders for e in r["errors"]] + compiler["errors"]
+    from quack.cache import manifest
+
+    recorded = manifest.read(record)  # whole lines only, each signature once across both processes
+    assert len(recorded) == len(set(recorded)) == recorders[0]["distinct"]
     lost = [n for n, data in foreign.items()
             if not (cache_env.writable / n).is_file() or (cache_env.writable / n).read_bytes() != data]
     layer = store.Layer(cache_env.writable, "writable", True)
     left = maintenance.scan(layer)
     with capsys.disabled():
-        print(f"\nstress: {calls} calls ({sum(r['loads'] for r in hammers)} loads from disk, 6 real compiles "
+        print(f"\nstress: {calls} lookups ({sum(r['loads'] for r in hammers)} loads from disk, 6 real compiles "
               f"in 3 threads), {pruner['rounds']} prunes removing {pruner['removed']} entries, "
-              f"{verifier['rounds']} verifies, {installer['rounds']} installs; crashes {len(crashes)}, "
+              f"{verifier['rounds']} verifies, {installer['rounds']} installs, "
+              f"{sum(r['calls'] for r in recorders)} record calls in 2 processes; crashes {len(crashes)}, "
               f"errors {len(errors)}, wrong loads {wrong}, lost files {len(lost)}")
     assert not errors and wrong == 0 and not lost
     assert pruner["removed"] > 0 and installer["rounds"] > 0 and installer["failures"] == 0
