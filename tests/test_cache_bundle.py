@@ -1,6 +1,5 @@
 """Cache bundles: deterministic archives, verified and safe installs."""
 
-import contextlib
 import fcntl
 import hashlib
 import io
@@ -21,6 +20,7 @@ import pytest
 import quack.cache
 from cache_fixtures import fake_kernel
 from cache_fixtures.env import cache_env, compile_count  # noqa: F401  (fixture)
+from cache_fixtures.faults import small_tmpfs
 from cache_fixtures.fake_kernel import FAMILY, compile_fake
 from quack.cache import bundle, cli, maintenance
 from quack.cache.bundle import BundleError, install_bundle, write_bundle
@@ -350,22 +350,6 @@ def _in_family(obj: Path, family: str, root: Path) -> None:
     (root / family / f"{keyhash}.json").write_text(json.dumps(meta, sort_keys=True, indent=1) + "\n")
 
 
-@contextlib.contextmanager
-def _tmpfs(path: Path, options: str):
-    """A real tmpfs at ``path`` (root only; skipped where mount is refused, as in Bazel's sandbox)."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    path.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"{options},mode=0700", "tmpfs", str(path)],
-                          capture_output=True, text=True)
-    if done.returncode != 0:
-        pytest.skip(f"mount refused here: {done.stderr.strip()}")
-    try:
-        yield path
-    finally:
-        subprocess.run(["umount", "-l", str(path)], check=False)
-
-
 def test_a_full_disk_during_the_install_installs_nothing(fake):
     """ENOSPC for real, on tmpfs file systems with ever more inodes: whichever step runs out
     (staging, a family folder, a key lock), the install is all or nothing. One that fails
@@ -377,7 +361,7 @@ def test_a_full_disk_during_the_install_installs_nothing(fake):
     write_bundle([src], tar)
     rolled_back, installed = [], 0
     for inodes in range(2, 24):
-        with _tmpfs(fake.tmp / f"disk{inodes}", f"size=1m,nr_inodes={inodes}") as into:
+        with small_tmpfs(fake.tmp / f"disk{inodes}", f"size=1m,nr_inodes={inodes}") as into:
             try:
                 (into / FAMILY).mkdir(mode=0o700)
                 (into / FAMILY / first.name).write_bytes(b"damaged")

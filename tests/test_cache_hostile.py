@@ -25,8 +25,9 @@ import pytest
 import quack.cache
 from cache_fixtures import fake_kernel
 from cache_fixtures.env import cache_env  # noqa: F401  (fixture)
+from cache_fixtures.faults import small_tmpfs
 from cache_fixtures.fake_kernel import FAMILY, compile_fake
-from quack.cache import CacheError, cli, locks, maintenance, native, store
+from quack.cache import CacheError, cli, locks, maintenance, store
 from quack.cache.key import canonical_json
 from quack.compile_only import compile_only_mode
 
@@ -440,21 +441,6 @@ def test_a_folder_where_an_object_belongs_is_moved_aside_and_the_entry_heals(fak
 
 # --- a real full disk -------------------------------------------------------------------------------
 
-@contextlib.contextmanager
-def _small_tmpfs(path: Path, size: str):
-    path.mkdir()
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(path)],
-                          capture_output=True, text=True)
-    if done.returncode != 0:
-        pytest.skip(f"mount refused here: {done.stderr.strip()}")
-    try:
-        yield path
-    finally:
-        subprocess.run(["umount", "-l", str(path)], check=False)
-
-
 def _fill(disk: Path) -> None:
     """Leave almost no room on ``disk``."""
     with open(disk / "filler", "wb", buffering=0) as f, contextlib.suppress(OSError):
@@ -465,7 +451,7 @@ def _fill(disk: Path) -> None:
 def test_a_real_full_disk_falls_back_to_the_compiled_kernel(cache_env, monkeypatch, caplog):
     from cache_fixtures.add_kernel import compile_add
 
-    with _small_tmpfs(cache_env.tmp / "disk", "256k") as disk:
+    with small_tmpfs(cache_env.tmp / "disk", "size=256k") as disk:
         monkeypatch.setenv("QUACK_CACHE_DIR", str(disk / "cache"))
         compile_add(32)  # the layer and its family folder exist
         _fill(disk)
