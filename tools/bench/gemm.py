@@ -1,6 +1,6 @@
 """GEMM: quack vs cuBLAS (torch.matmul) and torch's grouped GEMM, in TFLOP/s.
 
-    python tools/bench/gemm.py [--plot gemm.png] [--only products|epilogues|backward]
+    python tools/bench/gemm.py [--plot gemm.png] [--only products|epilogues|backward|inference]
 
 Dense bf16 (M, K) @ (K, N) with bf16 output; the backward's two products on
 the same views autograd hands them (dA = dC @ Bᵀ, B's other layout, and
@@ -12,6 +12,12 @@ epilogues against the plain GEMM and torch.  The grouped references are ``torch.
 (where this torch has it) and a loop of ``torch.matmul``.  Inputs are random
 (zeros would flatter every GEMM: the tensor cores draw less power).  Each
 figure is the median of three round-robin passes over the contenders.
+
+``--only inference`` (not in the default run): bf16 A (M, K) @ B (K, N) at
+the weight shapes of 7B to 70B models for M from 1 to 8192 against cuBLAS,
+in us and in TB/s of operand traffic (A, B and C once each) with its share of
+a device copy measured in the same run; then MoE decode steps (few tokens per
+expert) against ``torch._grouped_mm`` and a loop of ``torch.matmul``.
 """
 
 from __future__ import annotations
@@ -25,10 +31,15 @@ sys.path.insert(0, os.path.dirname(__file__))
 import torch  # noqa: E402
 
 import quack  # noqa: E402
-from harness import interleaved_ms, parse_args, plot  # noqa: E402
+from harness import copy_bandwidth, interleaved_ms, parse_args, plot  # noqa: E402
 
 DENSE = [(8192, 8192, 8192), (4096, 4096, 4096), (8192, 4096, 4096)]
 BACKWARD = [(8192, 8192, 8192), (4096, 4096, 4096)]
+# Inference: (K, N) weight shapes of common 7B to 70B models, and the token counts a step runs.
+WEIGHTS = [(4096, 4096), (4096, 14336), (14336, 4096), (8192, 28672)]
+INFERENCE_M = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 8192]
+# MoE decode: (experts, K, N), each expert getting 0 to 16 tokens.
+MOE_DECODE = [(8, 4096, 14336), (64, 2048, 1408), (128, 4096, 1536)]
 
 
 def _uneven_lengths(groups: int, total: int) -> list[int]:
@@ -232,7 +243,11 @@ def glu_cases(size: int = 8192):
 
 
 def main() -> None:
-    args = parse_args("gemm.png", tables=("products", "epilogues", "backward"))
+    args = parse_args("gemm.png", tables=("products", "epilogues", "backward", "inference"))
+    if args.only == "inference":
+        print_inference()
+        print_moe_decode()
+        return
     if args.only in (None, "products"):
         print_products(args.plot)
     if args.only in (None, "epilogues"):
@@ -314,6 +329,48 @@ def print_standalone_backward() -> None:
     print("\ngemm(activation) forward + backward at 8192x4096x4096, bf16 (ms; dZ: the elementwise step alone)")
     for name, t in ms.items():
         print(f"  {name:<24}{t:8.3f}")
+
+
+def print_inference() -> None:
+    copy_tbs = copy_bandwidth()
+    print(f"\nGEMM bf16 at inference shapes: us, quack / cuBLAS; TB/s of operand traffic and its share of "
+          f"a device copy ({copy_tbs:.2f} TB/s)")
+    print(f"{'K x N':<14}{'M':>6}{'quack us':>11}{'cuBLAS us':>11}{'quack/cuBLAS':>14}"
+          f"{'quack TB/s':>12}{'%copy':>7}{'cuBLAS TB/s':>13}{'%copy':>7}")
+    for k, n in WEIGHTS:
+        b = torch.randn(k, n, device="cuda", dtype=torch.bfloat16) / k**0.5
+        for m in INFERENCE_M:
+            a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            ms = interleaved_ms({"quack": lambda: quack.gemm(a, b), "cuBLAS": lambda: a @ b})
+            traffic = 2 * (m * k + k * n + m * n)
+            tbs = {name: traffic / (t * 1e-3) / 1e12 for name, t in ms.items()}
+            print(f"{f'{k} x {n}':<14}{m:>6}{1e3 * ms['quack']:>11.1f}{1e3 * ms['cuBLAS']:>11.1f}"
+                  f"{100 * ms['cuBLAS'] / ms['quack']:>13.0f}%"
+                  f"{tbs['quack']:>12.2f}{100 * tbs['quack'] / copy_tbs:>6.0f}%"
+                  f"{tbs['cuBLAS']:>13.2f}{100 * tbs['cuBLAS'] / copy_tbs:>6.0f}%")
+        torch.cuda.empty_cache()
+
+
+def print_moe_decode() -> None:
+    gen = torch.Generator().manual_seed(0)
+    print("\nMoE decode, bf16 (us): grouped quack.gemm against torch._grouped_mm and a matmul loop")
+    print(f"{'experts x K x N':<22}{'tokens':>8}{'quack':>10}{'_grouped_mm':>13}{'matmul loop':>13}")
+    for experts, k, n in MOE_DECODE:
+        lengths = torch.randint(0, 17, (experts,), generator=gen).tolist()
+        a = torch.randn(sum(lengths), k, device="cuda", dtype=torch.bfloat16)
+        b = torch.randn(experts, k, n, device="cuda", dtype=torch.bfloat16) / k**0.5
+        b_cm = b.transpose(1, 2).contiguous().transpose(1, 2)  # column-major per expert, as cuBLASLt wants
+        cu = torch.nn.functional.pad(torch.tensor(lengths, device="cuda").cumsum(0), (1, 0)).to(torch.int32)
+        bounds = cu.tolist()
+        impls = {"quack": lambda: quack.gemm(a, b, cu_seqlens_m=cu),
+                 "matmul loop": lambda: [a[bounds[g]:bounds[g + 1]] @ b[g] for g in range(experts)]}
+        if hasattr(torch, "_grouped_mm"):
+            impls["_grouped_mm"] = lambda: torch._grouped_mm(a, b_cm, offs=cu[1:])
+        ms = interleaved_ms(impls)
+        grouped = f"{1e3 * ms['_grouped_mm']:.1f}" if "_grouped_mm" in ms else "-"
+        print(f"{f'{experts} x {k} x {n}':<22}{sum(lengths):>8}{1e3 * ms['quack']:>10.1f}{grouped:>13}"
+              f"{1e3 * ms['matmul loop']:>13.1f}")
+        torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":
