@@ -289,16 +289,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m quack.warm``; returns the exit status (argparse errors exit 2 themselves)."""
+    return run(build_parser().parse_args(argv))
+
+
+def run(args: argparse.Namespace, prog: str = "python -m quack.warm") -> int:
+    """Warm as the parsed ``args`` say (also ``quack-cache warm``, quack/cli.py); returns the exit status."""
     from quack.cache import manifest
     from quack.cache.config import read_config
 
-    args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     out = Path(args.out).expanduser() if args.out else read_config().writable_dir
     try:
         result = warm(out, manifests=args.manifests, families=args.family, arch=args.arch)
     except (CacheError, manifest.ManifestError, OSError) as exc:
-        print(f"python -m quack.warm: error: {exc}", file=sys.stderr)
+        print(f"{prog}: error: {exc}", file=sys.stderr)
         return 1
     print(f"{summary(result, args.family)} in {out}")
     return 0

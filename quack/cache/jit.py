@@ -97,12 +97,20 @@ def jit_cache(family: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]
 
     The decorated function returns a handle: ``handle(*runtime_args)`` launches
     the kernel (a no-op under compile-only mode). Positional and keyword calls
-    with the same values give the same key.
+    with the same values give the same key. Its ``request(*args, **kwargs)``
+    is the lookup such a call makes, without making it (see ``is_cached``).
     """
 
     def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
         signature = inspect.signature(fn)
         record_imported(fn.__module__)  # the sources as imported enter the key
+
+        def request(*args: Any, **kwargs: Any) -> Request:
+            """The lookup a call with these arguments makes (its key, the
+            layers to search), without making it: nothing is compiled."""
+            bound = signature.bind(*args, **kwargs)
+            bound.apply_defaults()
+            return _request(family, fn, bound)
 
         @functools.wraps(fn)
         def get(*args: Any, **kwargs: Any) -> Callable[..., Any]:
@@ -111,14 +119,13 @@ def jit_cache(family: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]
             if handle is not None and not compile_only_active():
                 stats.record_hit("memory")
                 return handle
-            bound = signature.bind(*args, **kwargs)
-            bound.apply_defaults()
-            handle = get_kernel(_request(family, fn, bound))
+            handle = get_kernel(request(*args, **kwargs))
             if isinstance(handle, KernelHandle):
                 with _LOCK:
                     _RECENT[recent] = handle
             return handle
 
+        get.request = request  # type: ignore[attr-defined]
         return get
 
     return decorate
@@ -136,6 +143,14 @@ def get_kernel(req: Request) -> Callable[..., Any]:
     if handle.reload is None:
         handle.reload = functools.partial(_load_again, req)
     return handle
+
+
+def is_cached(req: Request) -> bool:
+    """Whether a layer holds a valid entry for ``req`` (a decorated function's
+    ``request(...)``), verified as a lookup verifies it but neither loaded nor
+    compiled: a check that needs no GPU (``quack/preflight.py``). As in a
+    lookup, a bad entry is a miss, warned once (strict mode: ``CacheError``)."""
+    return _lookup_layers(req, load=False) is not None
 
 
 def _load_again(req: Request) -> KernelHandle:
