@@ -13,8 +13,6 @@ up; every other command runs as ``python -m quack.cache`` runs it.
 from __future__ import annotations
 
 import argparse
-import os
-import signal
 import sys
 from typing import Sequence
 
@@ -48,17 +46,8 @@ def main(argv: Sequence[str] | None = None, out=None) -> int:
 
 
 def console_main() -> None:
-    """Entry point of ``quack-cache``: as ``quack.cache.cli.console_main``, a
-    reader that goes away ends the command silently with status 141."""
-    try:
-        code = main()
-        sys.stdout.flush()
-    except BrokenPipeError:
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-        os.close(devnull)
-        code = 128 + signal.SIGPIPE
-    sys.exit(code)
+    """Entry point of ``quack-cache`` (a reader that goes away ends it silently, status 141)."""
+    cache_cli.console_main(main)
 
 
 if __name__ == "__main__":

@@ -190,7 +190,7 @@ def test_untrusted_writable_layer_is_flagged_and_not_modified(fake, capsys):
 
 
 def test_module_entry_point_and_console_script(tmp_path):
-    """`python -m quack.cache` runs as a program; pyproject's `quack-cache` names `console_main`."""
+    """`python -m quack.cache` runs as a program; pyproject's `quack-cache` names quack.cli's `console_main`."""
     path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     env = dict(os.environ, QUACK_CACHE_DIR=str(tmp_path / "c"), PYTHONPATH=path)
     env.pop("QUACK_CACHE_MAX_SIZE", None)
@@ -204,7 +204,7 @@ def test_module_entry_point_and_console_script(tmp_path):
     if not (REPO / "pyproject.toml").exists():
         pytest.skip("needs the checkout's pyproject.toml, not only the package")
     scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
-    assert scripts["quack-cache"] == "quack.cache.cli:console_main"
+    assert scripts["quack-cache"] == "quack.cli:console_main"
     assert callable(cli.console_main)
 
 

@@ -29,7 +29,7 @@ import signal
 import sys
 import warnings
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from .. import DISTRIBUTION, __version__
 from . import maintenance
@@ -431,8 +431,9 @@ def main(argv: Sequence[str] | None = None, out=None) -> int:
         return 130
 
 
-def console_main() -> None:
-    """Entry point of ``quack-cache`` and ``python -m quack.cache``.
+def console_main(run: Callable[[], int] | None = None) -> None:
+    """Entry point of ``python -m quack.cache`` (and, with ``run`` =
+    ``quack.cli.main``, of ``quack-cache``).
 
     When the reader of the output goes away (``quack-cache ls | head``), the
     command stops without a word and exits 141 (128 + SIGPIPE), as a command
@@ -440,7 +441,7 @@ def console_main() -> None:
     interpreter's own flush at exit does not fail again.
     """
     try:
-        code = main()
+        code = (run or main)()
         sys.stdout.flush()
     except BrokenPipeError:
         devnull = os.open(os.devnull, os.O_WRONLY)
