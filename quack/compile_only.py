@@ -34,9 +34,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from quack.cache import _COMPILE_ONLY_DEPTH
+from quack.compile_only_gpu import CUDA_BUILD, emulated
 
 __all__ = [
-    "CompileOnlyFakeTensorMode", "compile_only_mode", "differentiable_outputs", "is_compile_only",
+    "CompileOnlyFakeTensorMode", "autograd_available", "compile_only_mode", "differentiable_outputs", "is_compile_only",
     "requires_grad_for_warming", "warming_gradients",
 ]
 
@@ -52,19 +53,49 @@ class _ScalarSentinelMode(TorchDispatchMode):
     A separate dispatch mode rather than a ``FakeTensorMode`` subclass: it uses the
     public ``__torch_dispatch__`` protocol and composes with any ``FakeTensorMode``
     configuration. Every other op goes on down the stack to fake dispatch.
+
+    A bool reads False: the checks tests and training code make on values
+    ("is any gradient non-finite?", ``clip_grad_norm_(error_if_nonfinite=True)``)
+    then answer no, as on healthy GPU data.  torch.compile traces with this
+    mode off (``ignore_compile_internals``) and the compiled graph runs with
+    it on, higher-order operators included.
     """
+
+    supports_higher_order_operators = True
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        # Only where compile-only can run what Dynamo captures (a CUDA build
+        # of torch, quack.compile_only_gpu); elsewhere Dynamo runs the frames
+        # eagerly.
+        return CUDA_BUILD
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is torch.ops.aten._local_scalar_dense.default:
-            return _FLOAT_SENTINEL if args[0].dtype.is_floating_point else _INT_SENTINEL
+            dtype = args[0].dtype
+            if dtype == torch.bool:
+                return False
+            return _FLOAT_SENTINEL if dtype.is_floating_point else _INT_SENTINEL
         return func(*args, **(kwargs or {}))
 
 
+class _NoDeviceFakeTensorMode(FakeTensorMode):
+    """A ``FakeTensorMode`` that never initialises a device, also while
+    ``torch.cuda.is_available()`` is claimed (``quack.compile_only_gpu``):
+    it keeps the fake CUDA device guard and makes factory outputs fake
+    without asking the (absent) driver."""
+
+    @property
+    def avoid_device_init(self) -> bool:
+        return True
+
+
 class CompileOnlyFakeTensorMode:
-    """A stock ``FakeTensorMode`` (built from ``**fake_kwargs``) plus scalar sentinels."""
+    """A ``FakeTensorMode`` (built from ``**fake_kwargs``; it never
+    initialises a device) plus scalar sentinels."""
 
     def __init__(self, **fake_kwargs: Any) -> None:
-        self.fake_mode = FakeTensorMode(**fake_kwargs)
+        self.fake_mode = _NoDeviceFakeTensorMode(**fake_kwargs)
         self._sentinels = _ScalarSentinelMode()
 
     def __enter__(self) -> "CompileOnlyFakeTensorMode":
@@ -94,7 +125,7 @@ def compile_only_mode() -> Iterator[CompileOnlyFakeTensorMode]:
     """
     token = _COMPILE_ONLY_DEPTH.set(_COMPILE_ONLY_DEPTH.get() + 1)
     try:
-        with CompileOnlyFakeTensorMode() as mode:
+        with emulated(), CompileOnlyFakeTensorMode() as mode:
             yield mode
     except RuntimeError as err:
         # torch's message may list every frame the block ran: cut to its
@@ -130,16 +161,29 @@ _NO_CUDA_GUARD_HINT = (
 )
 
 
-# Dynamo does not trace under compile-only mode's dispatch modes (the scalar
-# sentinels are not one of torch's own): every frame of a torch.compile'd
-# function runs eagerly (its kernels are warmed all the same), and with
-# fullgraph=True torch then raises, listing each frame it skipped.
+# On a CPU-only build of torch Dynamo does not trace under compile-only
+# mode's dispatch modes (the scalar sentinels claim to be ignorable only
+# where the captured graph can run, a CUDA build): every frame of a
+# torch.compile'd function runs eagerly (its kernels are warmed all the
+# same), and with fullgraph=True torch then raises, listing each frame it
+# skipped.
 _NO_COMPILED_FRAMES = "torch.compile with fullgraph=True found no compiled frames"
 _FULLGRAPH_HINT = (
     "torch.compile(fullgraph=True) cannot trace inside compile-only mode: Dynamo does not trace under its "
-    "dispatch modes, so the function ran eagerly (its kernels were warmed) and fullgraph=True refused that. "
-    "Under compile-only mode call the function itself, or compile it without fullgraph=True. torch's message:"
+    "dispatch modes with a CPU-only build of torch, so the function ran eagerly (its kernels were warmed) and "
+    "fullgraph=True refused that. Run compile-only with the CUDA build of torch (it needs no GPU), or call the "
+    "function itself, or compile it without fullgraph=True. torch's message:"
 )
+
+
+def autograd_available() -> bool:
+    """Can a call build an autograd graph here?  Always, but in compile-only
+    mode on a CPU-only build of torch, which aborts on the first graph node
+    of a fake CUDA tensor: there the ops warm their backward kernels at the
+    forward and return outputs without a graph (``differentiable_outputs``,
+    ``warming_gradients``).  On a CUDA build, backward passes are walked in
+    Python (``quack.compile_only_autograd``) and the ops keep their GPU path."""
+    return CUDA_BUILD or not is_compile_only()
 
 
 def is_compile_only() -> bool:
@@ -250,7 +294,7 @@ def differentiable_outputs(outputs, backward: bool):
     forward without a graph, so its floating-point outputs are marked as
     requiring grad here; a later op of the same differentiated function
     (``warming_gradients``) then decides its plan as on the GPU."""
-    if backward and is_compile_only():
+    if backward and not autograd_available():
         _mark_differentiable(_tensors(outputs))
     return outputs
 

@@ -35,7 +35,7 @@ import torch
 
 from quack import torch_interop as ti
 from quack.cache import compile_options, fastpath, jit_cache
-from quack.compile_only import differentiable_outputs, is_compile_only
+from quack.compile_only import autograd_available, differentiable_outputs, is_compile_only
 from quack.cute_op import cute_op
 from quack.plan import Kernel, Plan, Signature, plan_for, signature
 from quack.row_config import RowConfig, forward_config
@@ -395,10 +395,10 @@ def cross_entropy(
     # take their plans from the real tensors when the graph runs.
     plan = None if torch.compiler.is_compiling() else plan_for(call_signature(logits, target, reduction, backward))
     if compile_only:
-        # Export every kernel of the plan; the launch below is a no-op and
-        # builds no graph (autograd cannot run on fake CUDA tensors).
+        # Export every kernel of the plan (the launches are no-ops), the
+        # backward's too; a graph is built where autograd can run.
         plan.warm()
-        backward = False
+        backward = backward and autograd_available()
     if backward:
         return _CrossEntropyFunction.apply(logits, target, ignore_index, reduction, plan)
     with torch.no_grad():

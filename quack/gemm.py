@@ -56,7 +56,7 @@ import torch
 from quack import occupancy
 from quack import torch_interop as ti
 from quack.cache import compile_options, fastpath, jit_cache
-from quack.compile_only import differentiable_outputs, is_compile_only
+from quack.compile_only import autograd_available, differentiable_outputs, is_compile_only
 from quack.cute_op import cute_op
 from quack.plan import Kernel, Plan, Signature, blame, fake_tensor, plan_for, signature, torch_dtype
 from quack.gemm_dact import activation_grad, activation_grad_kernel
@@ -510,8 +510,8 @@ def _call(A, B, out_dtype, cu_seqlens_m, cu_seqlens_k, bias, activation, describ
             described = None  # a copy: the fast path would launch A and B themselves
         return _product(ops, cu, described=described)
     plan = _plan(ops, cu, backward=True)
-    if is_compile_only():
-        # Warm the forward's and the backward's kernels; no graph on fake tensors.
+    if not autograd_available():
+        # Warm the forward's and the backward's kernels; no graph (compile-only, CPU-only torch).
         return differentiable_outputs(_product(ops, cu, plan), True)
     return _GemmFunction.apply(A, B, bias, ops, cu, plan)
 
@@ -590,15 +590,17 @@ def _signature(ops: _Operands, cu, backward: bool) -> GemmCall:
     return call_signature(ops.a, ops.b3, ops.out, cu, ops.a_m_major, ops.b_n_major, backward, ops.activation, ops.bias)
 
 
-def _product(ops: _Operands, cu, plan: Optional[Plan] = None, described: Optional[tuple] = None) -> torch.Tensor:
+def _product(ops: _Operands, cu, plan: Optional[Plan] = None, described: Optional[tuple] = None,
+             warm_empty: bool = True) -> torch.Tensor:
     """Run one product into ``ops.out`` through ``plan`` (None: this call's
     own, planned here).  ``described``: the fast path's described arguments
     of the call, to leave a closure for its like.  An empty product launches nothing
-    (compile-only mode still warms its plan, as for any call)."""
+    (compile-only mode still warms the plan of a call, ``warm_empty``; not
+    that of a backward's product, whose kernels the call's plan holds)."""
     out = ops.out
     plan = plan if plan is not None else _plan(ops, cu)
     if out.numel() == 0 or ops.a.shape[1] == 0:
-        if plan is not None and is_compile_only():
+        if plan is not None and warm_empty and is_compile_only():
             plan.warm()
         return _empty_product(ops)
     if plan is None:
@@ -674,9 +676,9 @@ def input_grads(dc, a, b_kn, cu, wants_a: bool, wants_b: bool, b_dtype: torch.dt
     da = db = None
     if wants_a:
         grouping = "dense" if cu is None else "varlen_m"
-        da = _product(_operands(dc, b_kn.transpose(-1, -2), dc.dtype, cu, grouping), cu)
+        da = _product(_operands(dc, b_kn.transpose(-1, -2), dc.dtype, cu, grouping), cu, warm_empty=False)
     if wants_b:
-        db = _product(_operands(a.t(), dc, b_dtype, cu, "dense" if cu is None else "varlen_k"), cu)
+        db = _product(_operands(a.t(), dc, b_dtype, cu, "dense" if cu is None else "varlen_k"), cu, warm_empty=False)
     return da, db
 
 

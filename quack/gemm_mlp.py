@@ -23,7 +23,7 @@ from typing import Optional
 import torch
 
 from quack import torch_interop as ti
-from quack.compile_only import differentiable_outputs, is_compile_only
+from quack.compile_only import autograd_available, differentiable_outputs
 from quack.gemm import (_ALIGN_ELEMENTS, _check_call, _operands, _plan, _product, check_activation_type, gemm,
                         gemm_glu, input_grads, kernel_ready)
 from quack.gemm_epilogue import ACTIVATIONS, GATED
@@ -55,8 +55,8 @@ def mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, activation: str = "
         h = (gemm_glu if gated else gemm)(x, w1, activation=activation, cu_seqlens_m=cu_seqlens_m)
         return gemm(h, w2, cu_seqlens_m=cu_seqlens_m)
     cu = cu_seqlens_m.contiguous() if cu_seqlens_m is not None else None
-    if is_compile_only():
-        # Warm the forward's and the backward's kernels; no graph on fake tensors.
+    if not autograd_available():
+        # Warm the forward's and the backward's kernels; no graph (compile-only, CPU-only torch).
         y, saved = _forward(x, w1, w2, cu, activation)
         _backward(torch.empty_like(y), *saved, cu, activation, (True, True, True))
         return differentiable_outputs(y, True)

@@ -24,7 +24,7 @@ import torch
 
 from quack import torch_interop as ti
 from quack.cache import compile_options, fastpath, jit_cache
-from quack.compile_only import differentiable_outputs, is_compile_only
+from quack.compile_only import autograd_available, differentiable_outputs, is_compile_only
 from quack.cute_op import cute_op
 from quack.norm_backward_plan import grid_clusters
 from quack.plan import Kernel, Plan, Signature, blame, fake_tensor, plan_for, signature
@@ -303,10 +303,10 @@ def layernorm(x, weight=None, bias=None, eps: float = 1e-5):
     # take their kernels from the real tensors when the graph runs.
     plan = None if torch.compiler.is_compiling() else plan_for(call_signature(x, weight, bias, backward))
     if is_compile_only():
-        # Export every kernel of the plan; the launch below is a no-op and
-        # builds no graph (autograd cannot run on fake CUDA tensors).
+        # Export every kernel of the plan (the launches are no-ops), the
+        # backward's too; a graph is built where autograd can run.
         plan.warm()
-        backward = False
+        backward = backward and autograd_available()
     if backward:
         return _LayerNormFunction.apply(x, weight, bias, eps, plan)
     with torch.no_grad():

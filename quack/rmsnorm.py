@@ -23,7 +23,7 @@ import torch
 
 from quack import torch_interop as ti
 from quack.cache import compile_options, fastpath, jit_cache
-from quack.compile_only import differentiable_outputs, is_compile_only
+from quack.compile_only import autograd_available, differentiable_outputs, is_compile_only
 from quack.cute_op import cute_op
 from quack.norm_backward_plan import grid_clusters
 from quack.plan import Kernel, Plan, Signature, blame, fake_tensor, plan_for, signature
@@ -286,10 +286,10 @@ def rmsnorm(x, weight=None, eps: Optional[float] = 1e-6, residual=None):
     # take their plans from the real tensors when the graph runs.
     plan = None if torch.compiler.is_compiling() else plan_for(call_signature(x, weight, residual, backward))
     if is_compile_only():
-        # Export every kernel of the plan; the launches below are no-ops and
-        # build no graph (autograd cannot run on fake CUDA tensors).
+        # Export every kernel of the plan (the launches are no-ops), the
+        # backward's too; a graph is built where autograd can run.
         plan.warm()
-        backward = False
+        backward = backward and autograd_available()
     if backward:
         return _RMSNormFunction.apply(x, weight, residual, eps, plan)
     store_rstd = plan is not None and plan.signature.backward

@@ -75,8 +75,9 @@ def aligned(t: torch.Tensor | None) -> torch.Tensor | None:
 def will_backward(*tensors: torch.Tensor | None) -> bool:
     """Will autograd run this call's backward?  Some input requires grad and
     grad mode is on: the one rule by which an eager call chooses its kernels
-    and compile-only mode warms them (``compile_only.warming_gradients``
-    keeps ``requires_grad`` as autograd would without building a graph)."""
+    and compile-only mode warms them (on a CPU-only torch,
+    ``compile_only.warming_gradients`` keeps ``requires_grad`` as autograd
+    would without building a graph)."""
     return any(t is not None and t.requires_grad for t in tensors) and torch.is_grad_enabled()
 
 
@@ -92,7 +93,13 @@ def address(t: torch.Tensor) -> int:
 
 
 def sm_count(device_index: int) -> int:
-    """Streaming multiprocessors of the GPU (132, an H100/H200's, when none is visible)."""
+    """Streaming multiprocessors of the GPU (132, an H100/H200's, when none is
+    visible).  In compile-only mode the GPU is the compile target, never a
+    device query (``torch.cuda`` answers for the target there)."""
+    if is_compile_only():
+        from quack.compile_only_gpu import SM_COUNT
+
+        return SM_COUNT
     count = _SM_COUNTS.get(device_index)
     if count is None:
         count = 132

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from quack.compile_only import _NO_CUDA_GUARD, compile_only_mode
+from quack.compile_only_gpu import CUDA_BUILD
 
 
 def _many_frames(count: int):
@@ -21,6 +22,7 @@ def _many_frames(count: int):
     return run
 
 
+@pytest.mark.skipif(CUDA_BUILD, reason="a CUDA build of torch traces inside compile-only mode")
 def test_torch_compile_fullgraph_inside_compile_only_fails_briefly():
     compiled = torch.compile(_many_frames(3000), fullgraph=True)
     with pytest.raises(RuntimeError) as e:
@@ -35,6 +37,13 @@ def test_torch_compile_fullgraph_inside_compile_only_fails_briefly():
 
 def test_torch_compile_without_fullgraph_runs_inside_compile_only():
     compiled = torch.compile(_many_frames(3))
+    with compile_only_mode():
+        assert compiled(torch.empty(4, device="cuda")).shape == (4,)
+
+
+@pytest.mark.skipif(not CUDA_BUILD, reason="Dynamo traces inside compile-only mode on a CUDA build of torch")
+def test_torch_compile_fullgraph_traces_inside_compile_only():
+    compiled = torch.compile(_many_frames(3), fullgraph=True)
     with compile_only_mode():
         assert compiled(torch.empty(4, device="cuda")).shape == (4,)
 

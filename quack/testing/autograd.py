@@ -1,12 +1,13 @@
 """Gradients in tests that also run under ``--compile-only``.
 
-With a CPU-only torch build, autograd aborts the process (a C++ error in
-``AccumulateGrad``) as soon as a graph touches a fake CUDA leaf tensor.  Under
-compile-only mode the quack ops therefore warm their backward kernels from the
-forward call (when an input requires grad) and return outputs without a
-graph, and tests take gradients through :func:`vjp`, which then runs the
-function without autograd and returns placeholder gradients.  Values are not
-compared under compile-only anyway.
+On a CUDA build of torch, compile-only mode runs autograd (its backward
+walked in Python, ``quack.compile_only_autograd``) and :func:`vjp` is plain
+``torch.autograd.grad``.  With a CPU-only build, autograd aborts the process
+(a C++ error in ``AccumulateGrad``) as soon as a graph touches a fake CUDA
+leaf tensor: there the quack ops warm their backward kernels from the forward
+call and return outputs without a graph, and :func:`vjp` runs the function
+without autograd and returns placeholder gradients.  Values are not compared
+under compile-only anyway.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from quack.compile_only import is_compile_only, requires_grad_for_warming, warming_gradients
+from quack.compile_only import autograd_available, requires_grad_for_warming, warming_gradients
 
 
 def vjp(fn: Callable, inputs: Sequence[torch.Tensor], cotangents: Sequence[torch.Tensor] | Callable):
@@ -24,7 +25,7 @@ def vjp(fn: Callable, inputs: Sequence[torch.Tensor], cotangents: Sequence[torch
 
     ``cotangents`` may be a callable that builds them from the outputs.
     """
-    if is_compile_only():
+    if not autograd_available():
         # No graph is built (that is what would abort), but the ops warm the
         # backward kernels a real gradient would run.
         inputs = [requires_grad_for_warming(t) for t in inputs]

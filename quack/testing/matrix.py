@@ -226,12 +226,17 @@ def evaluate(fn, inputs: dict, grads: Sequence[str], cotangents, no_grad: bool =
     return tuple(o.detach() for o in outputs), dict(zip(grads, got)), cots
 
 
-def warm(fn, inputs: dict, grads: Sequence[str], no_grad: bool) -> None:
+def warm(fn, inputs: dict, grads: Sequence[str], no_grad: bool, cotangents=None) -> None:
     """Compile-only: make the call the GPU run makes, so every kernel it needs
-    is exported (``compile_only.warming_gradients`` stands in for autograd,
-    which cannot run on fake CUDA tensors with a CPU-only torch)."""
-    from quack.compile_only import requires_grad_for_warming, warming_gradients
+    is exported.  On a CUDA build of torch that is ``evaluate`` itself (its
+    backward walked in Python, ``quack.compile_only_autograd``); on a
+    CPU-only build autograd cannot run on fake CUDA tensors, and
+    ``compile_only.warming_gradients`` stands in for it."""
+    from quack.compile_only import autograd_available, requires_grad_for_warming, warming_gradients
 
+    if autograd_available():
+        _warm_through_autograd(fn, inputs, grads, no_grad, cotangents or random_cotangents)
+        return
     if no_grad:
         with torch.no_grad():
             fn(**_with_grad_flags(inputs, grads))
@@ -245,6 +250,23 @@ def warm(fn, inputs: dict, grads: Sequence[str], no_grad: bool) -> None:
     }
     with warming_gradients():
         fn(**marked)
+
+
+def _warm_through_autograd(fn, inputs: dict, grads: Sequence[str], no_grad: bool, cotangents) -> None:
+    """``evaluate``'s calls, forgiving where the GPU run's checks would fail
+    anyway (an output that needs no gradient, an input the function left
+    unused or unflagged): warming only wants the kernels they reach."""
+    inputs = _with_grad_flags(inputs, grads)
+    if no_grad:
+        with torch.no_grad():
+            fn(**inputs)
+        return
+    outputs = _as_tuple(fn(**inputs))
+    cots = cotangents(outputs) if callable(cotangents) else cotangents
+    pairs = [(o, c) for o, c in zip(outputs, cots) if o.requires_grad]
+    wrt = [inputs[k] for k in grads if inputs[k].requires_grad]
+    if pairs and wrt:
+        torch.autograd.grad([o for o, _ in pairs], wrt, [c for _, c in pairs], allow_unused=True)
 
 
 def check_case(
@@ -264,7 +286,7 @@ def check_case(
     grads = [k for k in floats if requires_grad(mode, k, params)]
     no_grad = mode == INFERENCE
     if is_compile_only():
-        warm(ours, inputs, grads, no_grad)
+        warm(ours, inputs, grads, no_grad, cotangents)
         return
     act_dtype = next(inputs[k].dtype for k in floats if k not in params)
     out, got, cots = evaluate(ours, inputs, grads, cotangents, no_grad)
@@ -346,9 +368,11 @@ def row_shape(m: int, n: int, lead: str) -> tuple[int, ...]:
 
 
 def compiled(fn):
-    """``torch.compile(fn, fullgraph=True)``; under compile-only ``fn`` itself:
-    Dynamo cannot trace fake tensors there, and the eager call warms the plan
-    whose objects the compiled graph's registered ops launch."""
-    from quack.compile_only import is_compile_only
+    """``torch.compile(fn, fullgraph=True)``; under compile-only on a CPU-only
+    build of torch ``fn`` itself (Inductor cannot run there, and the eager
+    call warms the plan whose objects the compiled graph's registered ops
+    launch).  On a CUDA build compile-only runs the graph Dynamo captures
+    (``quack.compile_only_gpu``)."""
+    from quack.compile_only import autograd_available
 
-    return fn if is_compile_only() else torch.compile(fn, fullgraph=True)
+    return fn if not autograd_available() else torch.compile(fn, fullgraph=True)
