@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 
 import quack.testing
+from quack.compile_only_gpu import CUDA_BUILD
 
 pytest_plugins = ["pytester"]
 # Inner runs are subprocesses in a temporary folder: they import quack from here.
@@ -22,7 +23,7 @@ import pytest
 import torch
 from quack.compile_only import is_compile_only
 
-pytestmark = pytest.mark.gpu
+pytestmark = pytest.mark.quack_gpu
 
 def test_values_compared(tmp_path_factory):
     x = torch.ones(4, device="cuda")
@@ -70,8 +71,9 @@ def test_compile_only_runs_gpu_tests_and_fails_only_on_real_errors(run, pytester
     result.stdout.fnmatch_lines([
         "*compile-only: kernel objects per test*",
         "EXPORTED  ON DISK  MEMORY HITS  TEST",
-        "*GPU tests called no kernel:*",
-        "*test_inner.py::test_values_compared*",
+        "*GPU tests warmed nothing:*",
+        "*test_inner.py::test_other_error: failed in call (RuntimeError: a real bug)",
+        "*test_inner.py::test_values_compared: ran to its end without calling a quack kernel",
         "*cannot run on fake tensors*",
     ])
 
@@ -80,7 +82,7 @@ KERNEL_TESTS = """
 import pytest
 from cache_fixtures import fake_kernel
 
-pytestmark = pytest.mark.gpu
+pytestmark = pytest.mark.quack_gpu
 fake_kernel.use_fakes()
 
 def test_twice():
@@ -131,11 +133,11 @@ import pytest
 def test_on_the_cpu():
     pass
 
-@pytest.mark.gpu
+@pytest.mark.quack_gpu
 def test_matrix():
     pass
 
-@pytest.mark.gpu
+@pytest.mark.quack_gpu
 def test_other():
     pass
 """)
@@ -152,3 +154,94 @@ def test_plugin_named_twice_registers_once(pytester):
     pytester.makepyfile(test_one="def test_ok():\n    pass\n")
     result = pytester.runpytest_subprocess("-p", "quack.testing.pytest_plugin", "-p", "no:cacheprovider", "--compile-only")
     result.assert_outcomes(passed=1)
+
+
+ALIASED = """
+import pytest
+
+@pytest.mark.gpu
+def test_marked_the_project_way():
+    pass
+"""
+
+
+def test_the_plain_gpu_marker_means_nothing_to_the_plugin_unless_aliased(pytester, monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    pytester.makepyfile(test_inner=ALIASED)
+    args = ("-p", "quack.testing.pytest_plugin", "-p", "no:cacheprovider", "-p", "no:warnings", "-rs")
+    pytester.runpytest_subprocess(*args).assert_outcomes(passed=1)  # another project's marker: untouched
+    pytester.makeini("[pytest]\nquack_gpu_marker_alias = gpu\n")
+    result = pytester.runpytest_subprocess(*args)
+    result.assert_outcomes(skipped=1)
+    result.stdout.fnmatch_lines(["*needs a CUDA GPU (none visible)*"])
+
+
+def test_an_alias_must_name_one_marker(pytester):
+    pytester.makeini("[pytest]\nquack_gpu_marker_alias = gpu slow\n")
+    pytester.makepyfile(test_inner=ALIASED)
+    result = pytester.runpytest_subprocess("-p", "quack.testing.pytest_plugin", "-p", "no:cacheprovider")
+    result.stderr.fnmatch_lines(["*quack_gpu_marker_alias must name one marker*"])
+
+
+UNMARKED_GPU_TESTS = """
+import pytest
+import torch
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_guarded():
+    model = torch.nn.Linear(8, 8).cuda()
+    model(torch.randn(4, 8, device=DEVICE)).sum().backward()
+    assert model.weight.grad is not None
+"""
+
+UNMARKED_FIXTURE_TESTS = """
+import pytest
+import torch
+
+
+@pytest.fixture
+def device():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    return "cuda"
+
+
+def test_with_fixture(device):
+    assert torch.ones(2, device=device).sum().item() == 1.0
+
+
+@pytest.mark.skipif("not torch.cuda.is_available()")
+def test_string_condition():
+    assert torch.ones(2, device="cuda").shape == (2,)
+
+
+def test_on_the_cpu():
+    assert torch.ones(2).sum().item() == 2.0
+
+
+def test_touches_cuda_unrecognised():
+    torch.zeros(1).cuda()
+"""
+
+
+@pytest.mark.skipif(not CUDA_BUILD, reason="recognising GPU tests needs a CUDA build of torch")
+def test_compile_only_recognises_tests_written_for_a_gpu(pytester, monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    pytester.makepyfile(test_module_guard=UNMARKED_GPU_TESTS, test_fixture_guard=UNMARKED_FIXTURE_TESTS)
+    args = ("-p", "quack.testing.pytest_plugin", "-p", "no:cacheprovider", "-p", "no:warnings", "-rs")
+    plain = pytester.runpytest_subprocess(*args)
+    plain.assert_outcomes(passed=1, skipped=3, failed=1)
+    result = pytester.runpytest_subprocess(*args, "--compile-only")
+    result.assert_outcomes(passed=4, failed=1)
+    result.stdout.fnmatch_lines([
+        "*quack --compile-only*",
+        "*not recognised as a GPU test. Mark it @pytest.mark.quack_gpu*",
+        "*compile-only: kernel objects per test*",
+        "*test_fixture_guard.py::test_string_condition: ran to its end without calling a quack kernel",
+        "*test_fixture_guard.py::test_with_fixture: ran to its end*",
+        "*test_module_guard.py::test_guarded: ran to its end*",
+    ])
+    assert "test_on_the_cpu:" not in result.stdout.str()

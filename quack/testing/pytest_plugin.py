@@ -3,26 +3,47 @@
 Enable it with ``-p quack.testing.pytest_plugin``, with
 ``pytest_plugins = ["quack.testing.pytest_plugin"]`` in a conftest, or through
 the ``pytest11`` entry point of the installed package (all three register it
-under the same name, so it is never registered twice).
+under the same name, so it is never registered twice).  Nothing it adds
+changes a run without ``--compile-only`` but its own marker, so installing it
+leaves other projects' suites alone.
 
 Markers:
 
-* ``gpu``: the test needs a GPU.  In a normal run on a machine without one it
-  is skipped (with that reason).  Under ``--compile-only`` it runs inside
-  ``compile_only_mode()``: tensors are fake, every kernel it calls is compiled
-  and exported to the cache, nothing is launched.
+* ``quack_gpu``: the test needs a GPU.  In a normal run on a machine without
+  one it is skipped (with that reason).  Under ``--compile-only`` it runs
+  inside ``compile_only_mode()``: tensors are fake, every kernel it calls is
+  compiled and exported to the cache, nothing is launched.  A project whose
+  tests already carry a marker of their own for this opts in with the ini
+  option ``quack_gpu_marker_alias`` (``quack_gpu_marker_alias = "gpu"`` under
+  ``[tool.pytest.ini_options]``): that marker then means ``quack_gpu``.
 * ``no_compile_only``: the test cannot run on fake tensors (it reads real
-  values in a way sentinels cannot stand in for); skipped under ``--compile-only``.
+  values in a way sentinels cannot stand in for, or uses CUDA streams, events
+  that record, CUDA generators); skipped under ``--compile-only``.
+
+Tests written for a GPU without the marker are recognised under
+``--compile-only`` (with a CUDA build of torch, which needs no GPU):
+``torch.cuda.is_available()`` answers True while test modules are imported
+and inside the mode, so a module that asks it at import (``DEVICE = "cuda"
+if torch.cuda.is_available() else "cpu"``, ``skipif(not
+torch.cuda.is_available())``) has its tests run as GPU tests, and so does a
+test whose function, fixtures or string ``skipif`` condition ask it.  Inside
+the mode the ordinary GPU code of a test runs as on the GPU: autograd
+(``loss.backward()``, ``torch.autograd.grad``, optimizers), ``Module.cuda()``,
+autocast, ``GradScaler``, ``torch.compile`` (its captured graph runs
+eagerly), device queries answered for the compile target ``QUACK_ARCH``
+(``quack/compile_only_gpu.py`` says what is emulated and what is not).  A
+test that touches CUDA outside the mode fails with a hint to mark it.
 
 Under ``--compile-only`` value comparisons are meaningless, so
 ``torch.testing.assert_close``, ``torch.allclose``, ``torch.equal`` (and their
 tensor-method forms) are no-ops that report a match while a GPU test runs:
-the test goes on to its end and warms every kernel it calls.  Any exception,
-an ``AssertionError`` included (a bare ``assert`` on values is a test bug:
-it reads sentinels), fails the test.  The terminal summary
-lists, per GPU test, how many objects it exported, how many it found already
-on disk and how many lookups this process had answered before (memory hits),
-and names the tests that touched no kernel at all.
+the test goes on to its end and warms every kernel it calls.  ``.item()``
+reads sentinels (1, 1.0, and False for a bool, so "is anything non-finite?"
+answers no).  Any exception, an ``AssertionError`` included (a bare
+``assert`` on values is a test bug: it reads sentinels), fails the test.  The
+terminal summary lists, per GPU test, how many objects it exported, how many
+it found already on disk and how many lookups this process had answered
+before (memory hits), and names the tests that warmed nothing, saying why.
 
 Under ``QUACK_MATRIX=smoke`` (the Bazel wiring checks' ``--config=smoke``)
 only the GPU tests named ``test_matrix`` are collected.
@@ -30,9 +51,16 @@ only the GPU tests named ``test_matrix`` are collected.
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
 _WARMED_KEY = pytest.StashKey[dict]()
+_OUTCOMES_KEY = pytest.StashKey[dict]()
+_ASKING_MODULES_KEY = pytest.StashKey[set]()
+_CLAIM_KEY = pytest.StashKey[object]()
+MARKER = "quack_gpu"
+ALIAS_INI = "quack_gpu_marker_alias"
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -42,18 +70,40 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         default=False,
         help="run GPU tests on fake tensors: compile and export every kernel, launch nothing",
     )
+    parser.addini(
+        ALIAS_INI,
+        default="",
+        help=f"a marker of the project's own that means {MARKER} (e.g. gpu); empty: none",
+    )
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", "gpu: the test needs a CUDA GPU (runs under --compile-only)")
+    config.addinivalue_line("markers", f"{MARKER}: the test needs a CUDA GPU (runs under --compile-only)")
+    alias = _alias(config)
+    if alias:
+        config.addinivalue_line("markers", f"{alias}: the test needs a CUDA GPU (the {MARKER} marker)")
     config.addinivalue_line(
         "markers", "no_compile_only: the test cannot run on fake tensors (skipped under --compile-only)"
     )
     config.stash[_WARMED_KEY] = {}
+    config.stash[_OUTCOMES_KEY] = {}
+    config.stash[_ASKING_MODULES_KEY] = set()
+
+
+def _alias(config: pytest.Config) -> str:
+    alias = str(config.getini(ALIAS_INI) or "").strip()
+    if alias and not alias.isidentifier():
+        raise pytest.UsageError(f"{ALIAS_INI} must name one marker, got {alias!r}")
+    return alias
 
 
 def _compile_only(config: pytest.Config) -> bool:
     return bool(config.getoption("--compile-only"))
+
+
+def _is_gpu_test(item: pytest.Item) -> bool:
+    alias = _alias(item.config)
+    return item.get_closest_marker(MARKER) is not None or bool(alias and item.get_closest_marker(alias))
 
 
 def _gpu_available() -> bool:
@@ -62,18 +112,86 @@ def _gpu_available() -> bool:
     return torch.cuda.is_available()
 
 
+@pytest.hookimpl(wrapper=True)
+def pytest_collection(session: pytest.Session):
+    """Under --compile-only, torch.cuda answers as a GPU while test modules
+    are imported (a CUDA build of torch: ``quack.compile_only_gpu.claimed``)."""
+    if not _compile_only(session.config):
+        return (yield)
+    from quack.compile_only_gpu import claimed
+
+    with claimed():
+        return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_make_collect_report(collector: pytest.Collector):
+    """Note the test modules whose import asked ``torch.cuda.is_available()``."""
+    if not (_compile_only(collector.config) and isinstance(collector, pytest.Module)):
+        return (yield)
+    from quack.compile_only_gpu import ASKED
+
+    before = ASKED[0]
+    report = yield
+    if ASKED[0] != before:
+        collector.config.stash[_ASKING_MODULES_KEY].add(collector.nodeid)
+    return report
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    _deselect_for_smoke(config, items)
     compile_only = _compile_only(config)
+    if compile_only:
+        _mark_tests_asking_for_cuda(config, items)
+    _deselect_for_smoke(config, items)
     has_gpu = None
     for item in items:
         if compile_only and item.get_closest_marker("no_compile_only"):
             item.add_marker(pytest.mark.skip(reason="cannot run on fake tensors (--compile-only)"))
-        elif not compile_only and item.get_closest_marker("gpu"):
+        elif not compile_only and _is_gpu_test(item):
             if has_gpu is None:
                 has_gpu = _gpu_available()
             if not has_gpu:
                 item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU (none visible)"))
+
+
+def _mark_tests_asking_for_cuda(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under --compile-only, a test written for a GPU without the marker is
+    one: its module asked ``torch.cuda.is_available()`` at import, or its
+    function, one of its fixtures or a string ``skipif`` condition asks it."""
+    from quack.compile_only_gpu import CUDA_BUILD
+
+    if not CUDA_BUILD:
+        return  # nothing can run them on fake CUDA tensors (the summary says so)
+    modules = config.stash[_ASKING_MODULES_KEY]
+    for item in items:
+        if _is_gpu_test(item):
+            continue
+        module = item.getparent(pytest.Module)
+        if (module is not None and module.nodeid in modules) or _asks_for_cuda(item):
+            item.add_marker(MARKER)
+
+
+def _asks_for_cuda(item: pytest.Item) -> bool:
+    functions = [getattr(item, "obj", None)]
+    info = getattr(item, "_fixtureinfo", None)
+    for defs in (info.name2fixturedefs.values() if info is not None else ()):
+        functions += [d.func for d in defs]
+    if any(_names_is_available(getattr(f, "__code__", None)) for f in functions):
+        return True
+    return any(
+        isinstance(c, str) and "is_available" in c
+        for mark in item.iter_markers("skipif")
+        for c in (*mark.args, mark.kwargs.get("condition"))
+    )
+
+
+def _names_is_available(code) -> bool:
+    """Does this code (or code nested in it) name ``is_available``?"""
+    if code is None:
+        return False
+    return "is_available" in code.co_names or any(
+        _names_is_available(c) for c in code.co_consts if hasattr(c, "co_names")
+    )
 
 
 def _deselect_for_smoke(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -85,7 +203,7 @@ def _deselect_for_smoke(config: pytest.Config, items: list[pytest.Item]) -> None
         return
     keep, drop = [], []
     for item in items:
-        smoke = not item.get_closest_marker("gpu") or getattr(item, "originalname", "") == "test_matrix"
+        smoke = not _is_gpu_test(item) or getattr(item, "originalname", "") == "test_matrix"
         (keep if smoke else drop).append(item)
     if drop:
         config.hook.pytest_deselected(items=drop)
@@ -104,7 +222,7 @@ def _cache_counts() -> tuple[int, int, int]:
 def pytest_runtest_protocol(item: pytest.Item, nextitem):
     """Run setup, call and teardown of a GPU test inside one compile-only context,
     so tensors made by fixtures and by the test share one fake mode."""
-    if not (_compile_only(item.config) and item.get_closest_marker("gpu")):
+    if not (_compile_only(item.config) and _is_gpu_test(item)):
         return (yield)
     if item.get_closest_marker("no_compile_only"):
         return (yield)
@@ -117,8 +235,59 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem):
             result = yield
     finally:
         patch.undo()
+        _reset_dynamo()
     item.config.stash[_WARMED_KEY][item.nodeid] = tuple(a - b for a, b in zip(_cache_counts(), before))
     return result
+
+
+def _reset_dynamo() -> None:
+    """Forget what torch.compile compiled in a GPU test (its fake inputs), so
+    recompile limits never carry over from one parametrized test to the next."""
+    dynamo = sys.modules.get("torch._dynamo")
+    if dynamo is not None:
+        dynamo.reset()
+
+
+# Errors of a test that touched CUDA outside compile-only mode.
+_NO_GPU_ERRORS = (
+    "Found no NVIDIA driver", "Torch not compiled with CUDA enabled", "PyTorch is not linked with support for cuda",
+    "CUDA driver version is insufficient", "no CUDA GPUs are available",
+)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call):
+    """Under --compile-only: note each GPU test's outcome (for the summary),
+    and give a test that failed touching CUDA outside the mode a hint."""
+    report = yield
+    if not _compile_only(item.config):
+        return report
+    if report.failed or report.skipped:
+        outcomes = item.config.stash[_OUTCOMES_KEY]
+        outcomes.setdefault(item.nodeid, _outcome_words(report))
+    if report.failed and not _is_gpu_test(item) and any(e in str(report.longrepr) for e in _NO_GPU_ERRORS):
+        report.sections.append(("quack --compile-only", _hint(item.config)))
+    return report
+
+
+def _outcome_words(report) -> str:
+    if report.skipped:
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        return f"skipped ({reason.removeprefix('Skipped: ')})"
+    crash = getattr(report.longrepr, "reprcrash", None)
+    message = crash.message.splitlines()[0] if crash is not None and crash.message else "an error"
+    return f"failed in {report.when} ({message[:120]})"
+
+
+def _hint(config: pytest.Config) -> str:
+    alias = _alias(config)
+    marker = f"@pytest.mark.{alias or MARKER}"
+    return (
+        "This test touched CUDA but ran outside compile-only mode: it is not recognised as a GPU test. "
+        f"Mark it {marker} (then --compile-only runs it on fake CUDA tensors), or ask for the device the "
+        "usual way, in the test or its fixture (`if not torch.cuda.is_available(): pytest.skip(...)`, "
+        "`device = \"cuda\" if torch.cuda.is_available() else \"cpu\"`), which --compile-only recognises."
+    )
 
 
 # Value comparisons, which mean nothing on fake tensors: under --compile-only
@@ -178,12 +347,21 @@ def _report_cache_stats(tr) -> None:
 
 
 def _report_warmed(terminalreporter, config: pytest.Config) -> None:
+    if not _compile_only(config):
+        return
+    from quack.compile_only_gpu import CUDA_BUILD
+
+    tr = terminalreporter
+    if not CUDA_BUILD:
+        tr.write_line(
+            "compile-only with a CPU-only build of torch: tests that ask torch.cuda.is_available() were not run "
+            "as GPU tests, and autograd on fake CUDA tensors fails; use the CUDA build of torch (it needs no GPU)"
+        )
     warmed = config.stash.get(_WARMED_KEY, {})
-    if not _compile_only(config) or not warmed:
+    if not warmed:
         return
     from quack.cache.cli import format_table
 
-    tr = terminalreporter
     tr.section("compile-only: kernel objects per test")
     rows = [[*counts, nodeid] for nodeid, counts in sorted(warmed.items())]
     for line in format_table(["EXPORTED", "ON DISK", "MEMORY HITS", "TEST"], rows, right=[0, 1, 2]):
@@ -192,6 +370,8 @@ def _report_warmed(terminalreporter, config: pytest.Config) -> None:
     total = sum(exported for exported, _, _ in warmed.values())
     tr.write_line(f"{len(warmed)} GPU tests, {total} objects exported")
     if idle:
-        tr.write_line(f"{len(idle)} GPU tests called no kernel:")
+        outcomes = config.stash.get(_OUTCOMES_KEY, {})
+        tr.write_line(f"{len(idle)} GPU tests warmed nothing:")
         for nodeid in idle:
-            tr.write_line(f"  {nodeid}")
+            why = outcomes.get(nodeid, "ran to its end without calling a quack kernel")
+            tr.write_line(f"  {nodeid}: {why}")
