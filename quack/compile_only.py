@@ -47,6 +47,10 @@ _INT_SENTINEL = 1
 _FLOAT_SENTINEL = 1.0
 
 
+# The ops behind .item(): under inference_mode aten.item reaches the modes undecomposed.
+_SCALAR_READS = (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default)
+
+
 class _ScalarSentinelMode(TorchDispatchMode):
     """Answer ``aten._local_scalar_dense`` (the op behind ``.item()``) with a sentinel.
 
@@ -71,7 +75,7 @@ class _ScalarSentinelMode(TorchDispatchMode):
         return CUDA_BUILD
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten._local_scalar_dense.default:
+        if func in _SCALAR_READS:
             dtype = args[0].dtype
             if dtype == torch.bool:
                 return False

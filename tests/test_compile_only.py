@@ -103,6 +103,9 @@ def test_scalar_reads_return_sentinels():
         assert int(cpu.sum()) == 1 and float(cpu.sum()) == 1.0
         total_m = ints.sum().item()
         assert torch.empty(total_m * 2, 8, device="cuda").shape == (2, 8)
+        assert (floats > 0).any().item() is False  # "is anything non-finite?" answers no
+        with torch.inference_mode():  # where aten.item reaches the modes undecomposed
+            assert floats.max().item() == 1.0 and torch.ones(2, device="cuda").sum().item() == 1.0
 
 
 def test_fake_mode_kwargs_pass_through():
