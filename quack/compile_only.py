@@ -4,10 +4,17 @@ exported to the persistent cache while nothing launches and no GPU memory is use
 Inside :func:`compile_only_mode`, every tensor is a ``FakeTensor``; a ``@cute_op``
 op's fake implementation derives the key and calls its ``jit_cache`` compile
 function, which exports the object and hands back a no-op launch. ``.item()``,
-``.tolist()``, ``int(t)`` and ``float(t)`` return the sentinels ``1`` / ``1.0`` so
-test setup that reads tensor values (``total_m = seq_lens.sum().item()``) still
-reaches the kernel; the keys never depend on those values because batch
-dimensions are symbolic.
+``.tolist()``, ``int(t)`` and ``float(t)`` return the sentinels ``1`` / ``1.0``
+(``False`` for a bool) so test setup that reads tensor values (``total_m =
+seq_lens.sum().item()``) still reaches the kernel; the keys never depend on
+those values because batch dimensions are symbolic.
+
+On a CUDA build of torch (it needs no GPU) the mode also makes the process
+look like a GPU machine of the compile target to code on fake tensors:
+autograd's backward passes, ``torch.compile``, ``Module.cuda()``, autocast
+and ``torch.cuda``'s queries work as on the GPU (``quack.compile_only_gpu``,
+``quack.compile_only_autograd``).  On a CPU-only build autograd on fake CUDA
+tensors is refused with an error saying so (it would abort the process).
 
 Scope: the depth counter is a ``ContextVar`` (``quack.cache._COMPILE_ONLY_DEPTH``),
 so it is per thread and per asyncio task, but torch's ``FakeTensorMode`` sits on a
