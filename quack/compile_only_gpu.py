@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import threading
 from types import SimpleNamespace
 from typing import Iterator
@@ -52,7 +53,10 @@ DEVICE_MEMORY = 141 * 2**30
 DEFAULT_TARGET = "sm_90a"
 
 _LOCK = threading.Lock()
-ASKED = [0]  # calls of the claimed torch.cuda.is_available (the plugin counts them per module)
+# The files whose code called the claimed torch.cuda.is_available (the
+# plugin's test modules that ask at import are GPU tests; a library a module
+# imports that asks makes none).
+ASKED_FROM: set[str] = set()
 
 
 def _target_capability() -> tuple[int, int]:
@@ -63,7 +67,8 @@ def _target_capability() -> tuple[int, int]:
 
 
 def _is_available() -> bool:
-    ASKED[0] += 1
+    if not torch.compiler.is_compiling():  # (Dynamo cannot trace frame inspection)
+        ASKED_FROM.add(sys._getframe(1).f_code.co_filename)
     return True
 
 

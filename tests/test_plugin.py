@@ -231,11 +231,16 @@ def test_touches_cuda_unrecognised():
 def test_compile_only_recognises_tests_written_for_a_gpu(pytester, monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     pytester.makepyfile(test_module_guard=UNMARKED_GPU_TESTS, test_fixture_guard=UNMARKED_FIXTURE_TESTS)
+    # A library that asks at import makes no GPU tests of the modules importing it.
+    pytester.makepyfile(probing_library="import torch\nHAS_CUDA = torch.cuda.is_available()\n")
+    pytester.makepyfile(test_cpu_only="import probing_library, torch\n\n"
+                                      "def test_real_values():\n    assert torch.ones(2).sum().item() == 2.0\n")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(pytester.path), os.environ["PYTHONPATH"]]))
     args = ("-p", "quack.testing.pytest_plugin", "-p", "no:cacheprovider", "-p", "no:warnings", "-rs")
     plain = pytester.runpytest_subprocess(*args)
-    plain.assert_outcomes(passed=1, skipped=3, failed=1)
+    plain.assert_outcomes(passed=2, skipped=3, failed=1)
     result = pytester.runpytest_subprocess(*args, "--compile-only")
-    result.assert_outcomes(passed=4, failed=1)
+    result.assert_outcomes(passed=5, failed=1)
     result.stdout.fnmatch_lines([
         "*quack --compile-only*",
         "*not recognised as a GPU test. Mark it @pytest.mark.quack_gpu*",
@@ -244,4 +249,4 @@ def test_compile_only_recognises_tests_written_for_a_gpu(pytester, monkeypatch):
         "*test_fixture_guard.py::test_with_fixture: ran to its end*",
         "*test_module_guard.py::test_guarded: ran to its end*",
     ])
-    assert "test_on_the_cpu:" not in result.stdout.str()
+    assert "test_on_the_cpu:" not in result.stdout.str() and "test_real_values" not in result.stdout.str()

@@ -57,7 +57,6 @@ import pytest
 
 _WARMED_KEY = pytest.StashKey[dict]()
 _OUTCOMES_KEY = pytest.StashKey[dict]()
-_ASKING_MODULES_KEY = pytest.StashKey[set]()
 _CLAIM_KEY = pytest.StashKey[object]()
 MARKER = "quack_gpu"
 ALIAS_INI = "quack_gpu_marker_alias"
@@ -87,7 +86,6 @@ def pytest_configure(config: pytest.Config) -> None:
     )
     config.stash[_WARMED_KEY] = {}
     config.stash[_OUTCOMES_KEY] = {}
-    config.stash[_ASKING_MODULES_KEY] = set()
 
 
 def _alias(config: pytest.Config) -> str:
@@ -124,20 +122,6 @@ def pytest_collection(session: pytest.Session):
         return (yield)
 
 
-@pytest.hookimpl(wrapper=True)
-def pytest_make_collect_report(collector: pytest.Collector):
-    """Note the test modules whose import asked ``torch.cuda.is_available()``."""
-    if not (_compile_only(collector.config) and isinstance(collector, pytest.Module)):
-        return (yield)
-    from quack.compile_only_gpu import ASKED
-
-    before = ASKED[0]
-    report = yield
-    if ASKED[0] != before:
-        collector.config.stash[_ASKING_MODULES_KEY].add(collector.nodeid)
-    return report
-
-
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     compile_only = _compile_only(config)
     if compile_only:
@@ -156,18 +140,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 def _mark_tests_asking_for_cuda(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Under --compile-only, a test written for a GPU without the marker is
-    one: its module asked ``torch.cuda.is_available()`` at import, or its
+    one: its module's own code asked ``torch.cuda.is_available()`` at import
+    (``quack.compile_only_gpu.ASKED_FROM``), or its
     function, one of its fixtures or a string ``skipif`` condition asks it."""
-    from quack.compile_only_gpu import CUDA_BUILD
+    from quack.compile_only_gpu import ASKED_FROM, CUDA_BUILD
 
     if not CUDA_BUILD:
         return  # nothing can run them on fake CUDA tensors (the summary says so)
-    modules = config.stash[_ASKING_MODULES_KEY]
     for item in items:
         if _is_gpu_test(item):
             continue
         module = item.getparent(pytest.Module)
-        if (module is not None and module.nodeid in modules) or _asks_for_cuda(item):
+        if (module is not None and str(module.path) in ASKED_FROM) or _asks_for_cuda(item):
             item.add_marker(MARKER)
 
 
