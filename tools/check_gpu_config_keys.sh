@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# Checks that --config=gpu (the tests in the CUDA environment, requirements_lock_gpu.txt) leaves
-# every kernel and bundle action exactly as the default build has it: `bazel aquery` of both
-# configurations must give each action the same key, so a GPU runner building with --config=gpu
-# gets CI's objects from a shared cache and compiles nothing. Also checks that analysing them
-# does not make the GPU environment (several GB; only the tests need it).
+# Checks that --config=gpu (how a GPU runner runs the tests) leaves every kernel and bundle action
+# exactly as the default build has it: `bazel aquery` of both configurations must give each action
+# the same key, so a GPU runner building with --config=gpu gets CI's objects from a shared cache and
+# compiles nothing. The config only picks and schedules tests today; this keeps any option added
+# to it later (a toolchain, an action environment variable) from re-keying the kernels.
 # Usage: tools/check_gpu_config_keys.sh   (exit 0 = pass; the last line is the summary)
 source "$(dirname "${BASH_SOURCE[0]}")/bazel_support/check_lib.sh"
 
@@ -15,9 +15,6 @@ bzl "$a" "$work/base" aquery --output=jsonproto "$query" >"$work/default.json" 2
   { cat "$work/default.log" >&2; fail "aquery failed"; }
 bzl "$a" "$work/base" aquery --config=gpu --output=jsonproto "$query" >"$work/gpu.json" 2>"$work/gpu.log" ||
   { cat "$work/gpu.log" >&2; fail "aquery --config=gpu failed"; }
-if compgen -G "$work/base/external/*quack_python_gpu" >/dev/null; then
-  fail "analysing the kernel actions under --config=gpu made the GPU environment"
-fi
 python3 - "$work/default.json" "$work/gpu.json" <<'PY'
 import json, sys
 

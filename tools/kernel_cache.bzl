@@ -9,9 +9,10 @@ one action whose output is one directory:
 The action's inputs are exactly: the family's module and the modules shared by every family
 (never another family's module, so editing one family reruns that family's action only), the
 family's tests, the manifests of calls to warm, the warm_cache script, the lock and the
-pinned CPU interpreter (a shim naming the lock's digest and the Python version, and no path; it
-finds the environment through a link, the one input outside the action's tree). Its outputs are byte-identical across
-clean builds, output bases and checkout folders, so any Bazel cache shares them.
+pinned interpreter (a shim naming the lock's digest and the Python version, and no path; it
+finds the environment through a link, the one input outside the action's tree). Its outputs are
+byte-identical across clean builds, output bases and checkout folders, so any Bazel cache shares
+them.
 
 `kernel_cache_set` is the union of several `kernel_cache` targets: its files are their
 directories plus `<name>.dirs`, one runfiles path per line (what QUACK_CACHE_PATH lists).
@@ -27,10 +28,10 @@ KernelCacheInfo = provider(
     fields = {"dirs": "depset of directory Files"},
 )
 
-# Kernel and bundle actions always run in the CPU environment (@quack_python), never in the
-# registered Python toolchain: `--config=gpu` gives the tests a CUDA torch (@quack_python_gpu)
-# while every kernel action keeps the key of the default build, so GPU runners hit what CI built.
-_CPU_PYTHON = "@quack_python//:py3_runtime"
+# Kernel and bundle actions always run in the pinned environment (@quack_python), whatever Python
+# toolchain a configuration registers: their keys are then the default build's in every
+# configuration, so GPU runners (--config=gpu) hit what CI built (tools/check_gpu_config_keys.sh).
+_PINNED_PYTHON = "@quack_python//:py3_runtime"
 
 def _kernel_cache_impl(ctx):
     out = ctx.actions.declare_directory(ctx.attr.name)
@@ -89,7 +90,7 @@ kernel_cache = rule(
         "srcs": attr.label_list(mandatory = True, allow_files = [".py"], doc = "The family's module plus the shared modules."),
         "tests": attr.label_list(allow_files = [".py"], doc = "Test files that warm the family."),
         "warm_cache": attr.label(mandatory = True, allow_single_file = [".py"], doc = "tools/warm_cache.py."),
-        "_python": attr.label(default = _CPU_PYTHON, providers = [PyRuntimeInfo]),
+        "_python": attr.label(default = _PINNED_PYTHON, providers = [PyRuntimeInfo]),
     },
 )
 
@@ -189,6 +190,6 @@ kernel_cache_bundle = rule(
     attrs = {
         "caches": attr.label_list(mandatory = True, providers = [KernelCacheInfo], doc = "kernel_cache or kernel_cache_set targets."),
         "srcs": attr.label_list(mandatory = True, allow_files = [".py"], doc = "quack/__init__.py and the quack/cache/ modules (the bundler)."),
-        "_python": attr.label(default = _CPU_PYTHON, providers = [PyRuntimeInfo]),
+        "_python": attr.label(default = _PINNED_PYTHON, providers = [PyRuntimeInfo]),
     },
 )

@@ -42,7 +42,7 @@ incremental_steps() {
 
   old_env=$(env_in_use)
   printf '# check_bazel_incremental %s\n' "$RANDOM$RANDOM" >>"$c/requirements_lock.txt"
-  build_and_count "$n" "edit requirements_lock.txt (a new environment is made: about a minute)"
+  build_and_count "$n" "edit requirements_lock.txt (a new environment is made: over a minute)"
   new_env=$(env_in_use)
   [[ -n "$new_env" && "$new_env" != "$old_env" ]] || fail "the lock change did not make a new environment"
   rm -rf "$new_env" "$new_env.lock"
