@@ -23,6 +23,7 @@ import warnings
 import torch
 
 from quack import torch_interop as ti
+from quack.compile_only import is_compile_only
 
 # Shared memory is allocated to CTAs in units of this many bytes.
 SMEM_GRANULARITY = 128
@@ -60,7 +61,8 @@ def resident_clusters(device_index: int, threads: int, cluster_size: int, ctas_p
 
 
 def _gpu_visible() -> bool:
-    return torch.cuda.is_available()
+    """A GPU the driver can answer for: not compile-only's claimed one."""
+    return not is_compile_only() and torch.cuda.is_available()
 
 
 @functools.lru_cache(maxsize=None)
