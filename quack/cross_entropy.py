@@ -37,7 +37,7 @@ from quack import torch_interop as ti
 from quack.cache import compile_options, fastpath, jit_cache
 from quack.compile_only import autograd_available, differentiable_outputs, is_compile_only
 from quack.cute_op import cute_op
-from quack.plan import Kernel, Plan, Signature, plan_for, signature
+from quack.plan import Kernel, Plan, Signature, blame, fake_tensor, plan_for, signature
 from quack.row_config import RowConfig, forward_config
 
 MAX_N = 262144
@@ -149,6 +149,23 @@ class CrossEntropyCall(Signature):
         if not self.backward:
             return (("forward", forward),)
         return (("forward", forward), ("backward", Kernel(compile_cross_entropy_bwd, args)))
+
+    def rebuild(self) -> "CrossEntropyCall":
+        """The op's checks and signature of a call on one row of N (``plan.from_entry``):
+        the logits ``vec`` elements into their storage below the full vector
+        width (their alignment then gives that width)."""
+        target = fake_tensor(self, "target_dtype", (1,))
+        with blame(self, "target_dtype"):
+            ti.check_float("target", target, TARGET_DTYPES)
+        with blame(self, "dtype"):
+            _validate(fake_tensor(self, "dtype", (1, 1)), target, -100, "none")
+        with blame(self, "n"):
+            _validate(fake_tensor(self, "dtype", (1, self.n)), target, -100, "none")
+        with blame(self, "reduction"):
+            _validate(fake_tensor(self, "dtype", (1, self.n)), target, -100, self.reduction)
+        offset = self.vec if 0 < self.vec < ti.full_width(self.n, self.dtype) else 0
+        logits = fake_tensor(self, "dtype", (1, self.n), offset)
+        return call_signature(logits, target, self.reduction, self.backward)
 
 
 def call_signature(logits, target, reduction: str, backward: bool) -> CrossEntropyCall:

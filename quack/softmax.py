@@ -24,7 +24,7 @@ from quack import torch_interop as ti
 from quack.cache import compile_options, fastpath, jit_cache
 from quack.compile_only import autograd_available, differentiable_outputs, is_compile_only
 from quack.cute_op import cute_op
-from quack.plan import Kernel, Plan, Signature, plan_for, signature
+from quack.plan import Kernel, Plan, Signature, blame, fake_tensor, plan_for, signature
 from quack.row_config import backward_config, forward_config
 
 MAX_N = 262144
@@ -87,6 +87,17 @@ class SoftmaxCall(Signature):
         # The backward's inputs are realigned (ti.aligned): full vector width.
         backward = Kernel(compile_softmax_bwd, (self.dtype, self.n, ti.full_width(self.n, self.dtype)))
         return (("forward", forward), ("backward", backward))
+
+    def rebuild(self) -> "SoftmaxCall":
+        """The op's checks and signature of a call on one row of N (``plan.from_entry``):
+        x ``vec`` elements into its storage below the full vector width (its
+        alignment then gives that width)."""
+        with blame(self, "dtype"):
+            _validate(fake_tensor(self, "dtype", (1, 1)))
+        with blame(self, "n"):
+            _validate(fake_tensor(self, "dtype", (1, self.n)))
+        offset = self.vec if 0 < self.vec < ti.full_width(self.n, self.dtype) else 0
+        return call_signature(fake_tensor(self, "dtype", (1, self.n), offset), self.backward)
 
 
 def call_signature(x, backward: bool) -> SoftmaxCall:

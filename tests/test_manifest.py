@@ -16,6 +16,7 @@ from quack import plan
 from quack.cache import manifest
 from quack.cache import CacheMissError
 from quack.compile_only import compile_only_mode
+from quack.cross_entropy import CrossEntropyCall
 from quack.gemm import GemmCall
 from quack.layernorm import LayerNormCall
 from quack.rmsnorm import RMSNormCall
@@ -257,6 +258,8 @@ def test_what_a_recorder_remembers_is_bounded(tmp_path, monkeypatch):
 
 RMSNORM_ENTRY = RMSNormCall("bfloat16", "float32", True, 4096, 8, True).entry()
 GEMM_ENTRY = GemmCall("bfloat16", "bfloat16", False, True, "dense", 256, True, 256, None, None).entry()
+SOFTMAX_ENTRY = SoftmaxCall("bfloat16", 4096, 8, True).entry()
+CROSS_ENTROPY_ENTRY = CrossEntropyCall("bfloat16", "int64", 4096, 8, "mean", True).entry()
 
 
 @pytest.mark.parametrize("entry, message", [
@@ -280,6 +283,12 @@ GEMM_ENTRY = GemmCall("bfloat16", "bfloat16", False, True, "dense", 256, True, 2
     ({**GEMM_ENTRY, "grouping": "varlen_m", "a_m_major": True}, "field 'a_m_major' is true"),
     ({**GEMM_ENTRY, "activation": "swiglu", "bias_dtype": "bfloat16"}, "field 'bias_dtype' is \"bfloat16\""),
     ({**GEMM_ENTRY, "activation": "dswiglu", "tile_n": 128}, "field 'backward' is true"),
+    ({**SOFTMAX_ENTRY, "n": 0}, "field 'n' = 0: x must have shape"),
+    ({**SOFTMAX_ENTRY, "dtype": "float64"}, "field 'dtype' = \"float64\": x has dtype float64"),
+    ({**SOFTMAX_ENTRY, "vec": 3}, "field 'vec' is 3, which no call has"),
+    ({**CROSS_ENTROPY_ENTRY, "target_dtype": "float32"}, "field 'target_dtype' = \"float32\": target has dtype"),
+    ({**CROSS_ENTROPY_ENTRY, "reduction": "avg"}, "field 'reduction' = \"avg\": reduction must be one of"),
+    ({**CROSS_ENTROPY_ENTRY, "n": 262152}, "field 'n' = 262152: N = 262152 is larger"),
 ])
 def test_entries_no_call_has_are_refused_by_line_and_field(tmp_path, entry, message):
     path = tmp_path / "calls.jsonl"
@@ -291,6 +300,8 @@ def test_entries_no_call_has_are_refused_by_line_and_field(tmp_path, entry, mess
 def test_entries_of_every_kind_of_call_are_accepted(tmp_path):
     sigs = [
         RMSNormCall("float16", None, False, 4097, 1, False),
+        SoftmaxCall("float32", 4100, 4, True),
+        CrossEntropyCall("bfloat16", "int32", 32000, 8, "none", False),
         LayerNormCall("bfloat16", "bfloat16", "float32", 262144, 2, True),
         GemmCall("bfloat16", "float32", True, False, "dense", 128, True, 128, "relu", "float32"),
         GemmCall("float16", "float16", False, True, "varlen_m", 256, False, 0, "swiglu", None),
