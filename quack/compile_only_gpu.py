@@ -45,12 +45,13 @@ from typing import Iterator
 import torch
 from torch.overrides import TorchFunctionMode
 
+from quack.cache.config import DEFAULT_ARCH
+
 # Whether compile-only mode can run autograd and the GPU idioms: a CUDA build of torch.
 CUDA_BUILD = torch.version.cuda is not None
 # What compile-only answers for the GPU's streaming multiprocessors (an H100's, an H200's).
 SM_COUNT = 132
 DEVICE_MEMORY = 141 * 2**30
-DEFAULT_TARGET = "sm_90a"
 
 _LOCK = threading.Lock()
 # The files whose code called the claimed torch.cuda.is_available (the
@@ -63,7 +64,7 @@ def _target_capability() -> tuple[int, int]:
     """(major, minor) of the compile target (``QUACK_ARCH``, else sm_90a); never a GPU query."""
     from quack.torch_interop import arch_capability
 
-    return arch_capability(os.environ.get("QUACK_ARCH", "").strip() or DEFAULT_TARGET)
+    return arch_capability(os.environ.get("QUACK_ARCH", "").strip() or DEFAULT_ARCH)
 
 
 def _is_available() -> bool:
