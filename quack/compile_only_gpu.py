@@ -150,6 +150,11 @@ def _install_claim(patches: list) -> None:
     stream = torch.Stream(stream_id=0, device_index=0, device_type=1)
     _patch(patches, torch.accelerator, "current_device_index", lambda: 0)
     _patch(patches, torch.accelerator, "current_stream", lambda device=None: stream)
+    # Fake CUDA tensors need no CUDA context; older torch releases make one
+    # for each fake device whenever CUDA claims to be available.
+    fake_tensor = torch._subclasses.fake_tensor
+    if hasattr(fake_tensor, "init_gpu_context"):
+        _patch(patches, fake_tensor, "init_gpu_context", lambda device: None)
 
 
 def _install_emulation(patches: list) -> None:

@@ -141,7 +141,8 @@ def test_huge_pax_header_is_refused_before_reading(good, cache_env):
 @pytest.mark.parametrize("kind, claimed, expected", [
     ("sidecar", 64 * MiB, "more than a sidecar may have"),
     ("object", 300 * MiB, "the manifest says"),
-    ("sidecar", -512, "a negative size"),
+    # Python 3.12's tarfile ends the archive at such a header: the member is then missing.
+    ("sidecar", -512, r"a negative size \(-512\)|listed in the manifest, missing from the archive"),
 ])
 def test_oversized_members_are_refused_before_reading(good, cache_env, kind, claimed, expected):
     name = next(n for n, _ in good[1:] if n.endswith(".json" if kind == "sidecar" else ".o"))
@@ -156,7 +157,8 @@ def test_oversized_members_are_refused_before_reading(good, cache_env, kind, cla
         else:
             parts += [_header(name, claimed), claimed]
     tar = _write(cache_env.tmp / "big.tar", parts)
-    _, peak = _install_refused(cache_env.tmp, tar, re.escape(name), str(claimed), expected)
+    sizes = (str(claimed),) if claimed > 0 else ()
+    _, peak = _install_refused(cache_env.tmp, tar, re.escape(name), expected, *sizes)
     assert peak < 16 * MiB
 
 
