@@ -165,6 +165,36 @@ def test_torch_compile_of_a_module_runs_the_captured_graph_and_its_backward(no_c
     assert any(k.startswith("compile_rmsnorm_bwd") for k in no_compiles)
 
 
+@cuda_build
+@pytest.mark.parametrize("dynamic, mode", [(None, None), (True, None), (False, "reduce-overhead"), (None, "max-autotune")])
+def test_torch_compile_variants_warm_what_eager_warms(no_compiles, dynamic, mode):
+    """A function compiled with each dynamic= and mode= variant, not fullgraph, as a team writes it."""
+    torch._dynamo.reset()
+    with compile_only_mode():
+        w = torch.nn.Parameter(torch.ones(512, device="cuda"))
+        compiled = torch.compile(lambda x: quack.rmsnorm(x, w).relu(), dynamic=dynamic, mode=mode)
+        for rows in (16, 48):  # a second shape: a recompile, or the dynamic graph again
+            x = torch.randn(rows, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+            compiled(x).float().sum().backward()
+            assert x.grad.shape == (rows, 512) and w.grad.shape == (512,)
+    assert any(k.startswith("compile_rmsnorm_fwd") for k in no_compiles)
+    assert any(k.startswith("compile_rmsnorm_bwd") for k in no_compiles)
+
+
+@cuda_build
+def test_autograd_backward_called_directly_and_checkpointing(no_compiles):
+    from torch.utils.checkpoint import checkpoint
+
+    with compile_only_mode():
+        w = torch.nn.Parameter(torch.ones(256, device="cuda"))
+        x = torch.randn(8, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        y = checkpoint(lambda t: quack.rmsnorm(t, w), x, use_reentrant=False)
+        torch.autograd.backward([y.float().sum()], retain_graph=True)
+        assert x.grad.shape == (8, 256) and w.grad.dtype == torch.float32
+        torch.autograd.backward(y, grad_tensors=torch.ones_like(y))
+    assert any(k.startswith("compile_rmsnorm_bwd") for k in no_compiles)
+
+
 @cpu_build
 @pytest.mark.parametrize("call", ["linear", "function", "backward"])
 def test_a_cpu_only_torch_refuses_autograd_with_an_error_not_an_abort(call, no_compiles):
