@@ -31,27 +31,25 @@ _CLASHING_DISTRIBUTIONS = ("quack-kernels",)
 
 # Each export -> the submodule defining it.
 _EXPORTS = {
-    "cross_entropy": "cross_entropy",
-    "cross_entropy_ref": "cross_entropy",
-    "gemm": "gemm",
-    "gemm_glu": "gemm",
-    "gemm_ref": "gemm",
-    "layernorm": "layernorm",
-    "mlp": "gemm_mlp",
-    "layernorm_ref": "layernorm",
-    "rmsnorm": "rmsnorm",
-    "rmsnorm_ref": "rmsnorm",
-    "softmax": "softmax",
-    "softmax_ref": "softmax",
+    "cross_entropy": "families.cross_entropy",
+    "cross_entropy_ref": "families.cross_entropy",
+    "gemm": "families.gemm",
+    "gemm_glu": "families.gemm",
+    "gemm_ref": "families.gemm",
+    "layernorm": "families.layernorm",
+    "layernorm_ref": "families.layernorm",
+    "mlp": "families.gemm",
+    "rmsnorm": "families.rmsnorm",
+    "rmsnorm_ref": "families.rmsnorm",
+    "softmax": "families.softmax",
+    "softmax_ref": "families.softmax",
 }
 
 __all__ = sorted(_EXPORTS)
 
 
 class _Package(types.ModuleType):
-    """The package's module type: binds exports on first access, and keeps an
-    op bound to its name when its submodule of the same name is imported
-    later (the import system then sets ``quack.rmsnorm`` to the module)."""
+    """The package's module type: binds exports on first access."""
 
     def __getattr__(self, name):
         module = _EXPORTS.get(name)
@@ -61,10 +59,6 @@ class _Package(types.ModuleType):
         super().__setattr__(name, value)
         return value
 
-    def __setattr__(self, name, value):
-        if isinstance(value, types.ModuleType) and _EXPORTS.get(name) == name and value.__name__ == f"quack.{name}":
-            value = getattr(value, name)
-        super().__setattr__(name, value)
 
     def __dir__(self):
         return sorted(set(super().__dir__()) | set(_EXPORTS))

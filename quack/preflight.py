@@ -3,9 +3,9 @@ found without compiling anything and without a GPU.
 
     quack-cache preflight calls.jsonl [MANIFEST...] [--json] [--family F] [--arch sm_90a]
 
-Each call of the manifests (``quack/cache/manifest.py``: a file recorded with
+Each call of the manifests (``quack/calls/manifest.py``: a file recorded with
 ``QUACK_CACHE_RECORD=FILE``, or tools/configs/production.jsonl) is planned
-(``quack/plan.py``), and each kernel of its plan resolved to the key the call
+(``quack/calls/plan.py``), and each kernel of its plan resolved to the key the call
 would look up (its compile function's ``request``), which holds the arch.
 Each key is looked up in the layers a job searches, the read-only
 ``QUACK_CACHE_PATH`` layers then the writable ``QUACK_CACHE_DIR``
@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 from quack.cache.errors import CacheError
 
 if TYPE_CHECKING:
-    from quack.plan import Kernel, Signature
+    from quack.calls.plan import Kernel, Signature
 
 DESCRIPTION = ("Report the kernel objects that the calls of manifests need and no cache layer holds "
                "(exit status 1 when any is missing), without compiling and without a GPU.")
@@ -65,7 +65,7 @@ class Need:
     @property
     def call(self) -> str:
         """The call's manifest entry, as one line."""
-        from quack.plan import entry_line
+        from quack.calls.plan import entry_line
 
         return entry_line(self.signature)
 
@@ -113,8 +113,9 @@ def preflight(
     build for the arch, naming the file and line; ``OSError`` for a manifest
     it cannot open. Every manifest is read before any lookup.
     """
-    from quack import plan
-    from quack.cache import jit, manifest
+    from quack.calls import plan
+    from quack.cache import jit
+    from quack.calls import manifest
     from quack.cache.config import read_config
     from quack.warm import _environment
 
@@ -151,8 +152,8 @@ def preflight(
 def _numbered_calls(path: str | Path, families: set[str]) -> list[tuple[int | None, Signature]]:
     """The calls of manifest ``path`` (``manifest.read``) with the line of each:
     the first line whose JSON is the call's entry."""
-    from quack import plan
-    from quack.cache import manifest
+    from quack.calls import plan
+    from quack.calls import manifest
 
     signatures = manifest.read(path, families or None)
     lines: dict[str, int] = {}

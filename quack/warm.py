@@ -2,7 +2,7 @@
 
     python -m quack.warm calls.jsonl [--out DIR] [--family F] [--arch sm_90a]
 
-compiles every call of the manifests (``quack/cache/manifest.py``: a file
+compiles every call of the manifests (``quack/calls/manifest.py``: a file
 recorded with ``QUACK_CACHE_RECORD=FILE``, or tools/configs/production.jsonl)
 into ``DIR`` (default: the writable layer, ``QUACK_CACHE_DIR``), through each
 call's plan. Bazel's tools/warm_cache.py runs the same code, with test files
@@ -42,7 +42,7 @@ from quack.cache.stats import stats
 from quack.cache.store import Layer, ensure_layer_dir, family_folder
 
 if TYPE_CHECKING:
-    from quack.plan import Signature
+    from quack.calls.plan import Signature
 
 log = logging.getLogger("quack.warm")
 
@@ -129,7 +129,7 @@ def read_manifests(paths: Sequence[str | Path], families: set[str]) -> list[tupl
     ``QUACK_MATRIX=smoke`` only the first call of each manifest (the Bazel
     wiring checks' selection). Raises ``manifest.ManifestError`` for a
     manifest it cannot read, ``OSError`` for one it cannot open."""
-    from quack.cache import manifest
+    from quack.calls import manifest
     from quack.testing import matrix
 
     calls = []
@@ -143,7 +143,7 @@ def read_manifests(paths: Sequence[str | Path], families: set[str]) -> list[tupl
 
 def warm_calls(calls: Sequence[tuple[str, Signature]]) -> None:
     """Warm each call's plan in compile-only mode."""
-    from quack import plan
+    from quack.calls import plan
     from quack.compile_only import compile_only_mode
 
     for path, sig in calls:
@@ -294,7 +294,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def run(args: argparse.Namespace, prog: str = "python -m quack.warm") -> int:
     """Warm as the parsed ``args`` say (also ``quack-cache warm``, quack/cli.py); returns the exit status."""
-    from quack.cache import manifest
+    from quack.calls import manifest
     from quack.cache.config import read_config
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")

@@ -271,7 +271,7 @@ def test_show_config_reports_versions_layers_and_settings(fake, monkeypatch, cap
 def test_show_config_names_the_ctypes_launcher_where_the_c_one_is_missing(tmp_path):
     code = """
 import sys
-sys.modules["quack.cache._fastlaunch"] = None  # as where it was never built
+sys.modules["quack.launch._fastlaunch"] = None  # as where it was never built
 from quack.cache import cli
 sys.exit(cli.main(["show-config", "--json"]))
 """

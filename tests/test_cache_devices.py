@@ -6,7 +6,7 @@ import inspect
 import pytest
 import torch
 
-from quack.cache.handle import KernelHandle
+from quack.launch.handle import KernelHandle
 
 
 class _Tensor:
@@ -101,10 +101,10 @@ def test_a_handle_calls_its_checked_launcher_first_after_its_first_launch(gpus, 
     """The first launch is guarded and leaves the launcher's ``checked`` on
     the handle; later calls on that device take it (in C with the C front:
     no Python frame), and a call it declines is guarded again."""
-    import quack.cache.handle as handle_module
+    import quack.launch.handle as handle_module
 
     if front == "C":
-        fastlaunch = pytest.importorskip("quack.cache._fastlaunch")
+        fastlaunch = pytest.importorskip("quack.launch._fastlaunch")
         assert issubclass(KernelHandle, fastlaunch.Front)
         cls = KernelHandle
     else:  # KernelHandle's methods over the Python front, as without the C module

@@ -4,7 +4,7 @@ import ctypes
 
 import torch
 
-from quack.cache.launcher import make_packer, parse_abi
+from quack.launch.launcher import make_packer, parse_abi
 
 HEADER = """
 typedef struct {
@@ -77,7 +77,7 @@ def test_first_call_hands_the_dsl_tensors_it_can_export():
     # Under torch.compile an op's kernel may receive its leaf inputs, which
     # still require grad; the DSL's first launch exports tensors through
     # DLPack, which refuses those (seen on the H200 with a fresh process).
-    from quack.cache.launcher import FastLauncher
+    from quack.launch.launcher import FastLauncher
 
     exported = []
 

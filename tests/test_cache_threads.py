@@ -169,7 +169,7 @@ _RECORDER = textwrap.dedent(
     """
     import json, os, random, sys, threading, time
     sys.path[:0] = [os.environ["REPO"]]
-    from quack.cache import manifest
+    from quack.calls import manifest
     signatures = manifest.read(os.path.join(os.environ["REPO"], "tools", "configs", "production.jsonl"))
     deadline = time.monotonic() + float(os.environ["SECONDS"])
     counts = {"calls": 0, "errors": []}
@@ -238,7 +238,7 @@ def test_stress_threads_and_processes_on_one_layer(cache_env, capsys):
     calls = sum(r["calls"] for r in hammers) + compiler["calls"]
     wrong = sum(r["wrong_loads"] for r in hammers)
     errors = [e for r in hammers + recorders for e in r["errors"]] + compiler["errors"]
-    from quack.cache import manifest
+    from quack.calls import manifest
 
     recorded = manifest.read(record)  # whole lines only, each signature once across both processes
     assert len(recorded) == len(set(recorded)) == recorders[0]["distinct"]

@@ -1,8 +1,8 @@
 """Autograd, torch.compile and the usual CUDA idioms inside compile-only mode (no GPU needed).
 
 On a CUDA build of torch the backward pass is walked in Python
-(quack/compile_only_autograd.py) and torch.cuda answers for the compile
-target (quack/compile_only_gpu.py); on a CPU-only build such calls fail
+(quack/compile_only/autograd.py) and torch.cuda answers for the compile
+target (quack/compile_only/gpu.py); on a CPU-only build such calls fail
 with an error saying to use the CUDA build, never an abort.
 """
 
@@ -13,9 +13,9 @@ from torch._subclasses.fake_tensor import FakeTensor
 import importlib
 
 import quack
-import quack.plan
+import quack.calls.plan
 from quack.compile_only import compile_only_mode
-from quack.compile_only_gpu import CUDA_BUILD, CPU_BUILD_MESSAGE, missing_private_names
+from quack.compile_only.gpu import CUDA_BUILD, CPU_BUILD_MESSAGE, missing_private_names
 
 cuda_build = pytest.mark.skipif(not CUDA_BUILD, reason="autograd on fake CUDA tensors needs a CUDA build of torch")
 cpu_build = pytest.mark.skipif(CUDA_BUILD, reason="the CPU-only build's guard")
@@ -25,7 +25,7 @@ cpu_build = pytest.mark.skipif(CUDA_BUILD, reason="the CPU-only build's guard")
 def no_compiles(monkeypatch):
     """Kernel loads recorded, nothing compiled: the kernels each call asks for."""
     loaded = []
-    monkeypatch.setattr(quack.plan.Kernel, "load", lambda kernel: loaded.append(kernel.describe()) or (lambda *a: None))
+    monkeypatch.setattr(quack.calls.plan.Kernel, "load", lambda kernel: loaded.append(kernel.describe()) or (lambda *a: None))
     monkeypatch.setenv("QUACK_ARCH", "sm_90a")
     return loaded
 
@@ -132,7 +132,7 @@ def test_cuda_answers_for_the_compile_target_inside_the_mode_only(monkeypatch):
     with compile_only_mode():
         assert torch.cuda.is_available() and torch.cuda.device_count() == 1
         assert torch.cuda.get_device_capability() == (10, 0) and torch.cuda.is_bf16_supported()
-        assert torch.cuda.get_device_properties(0).multi_processor_count == quack.torch_interop.sm_count(0)
+        assert torch.cuda.get_device_properties(0).multi_processor_count == quack.calls.torch_interop.sm_count(0)
         torch.cuda.synchronize()
         assert torch.randn(8, 8, device="cuda")[:4].shape == (4, 8)  # the fake device guard stays
     assert torch.cuda.is_available() is real
@@ -141,7 +141,7 @@ def test_cuda_answers_for_the_compile_target_inside_the_mode_only(monkeypatch):
 @cuda_build
 def test_rmsnorm_backward_runs_its_own_backward(no_compiles, monkeypatch):
     calls = []
-    module = importlib.import_module("quack.rmsnorm")
+    module = importlib.import_module("quack.families.rmsnorm.op")
     real_bwd = module.rmsnorm_bwd
     monkeypatch.setattr(module, "rmsnorm_bwd", lambda *a, **k: calls.append(1) or real_bwd(*a, **k))
     with compile_only_mode():

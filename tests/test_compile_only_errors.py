@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from quack.compile_only import _NO_CUDA_GUARD, compile_only_mode
-from quack.compile_only_gpu import CUDA_BUILD
+from quack.compile_only.gpu import CUDA_BUILD
 
 
 def _many_frames(count: int):

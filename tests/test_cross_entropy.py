@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import quack
-from quack.cross_entropy import cross_entropy_ref
+from quack.families.cross_entropy.op import cross_entropy_ref
 from quack.testing import matrix
 
 # (atol, rtol) per logits dtype, for the hand-written cases below: losses

@@ -4,7 +4,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from quack.compile_only import compile_only_mode
-from quack.cute_op import cute_op
+from quack.calls.cute_op import cute_op
 
 CALLS = []
 

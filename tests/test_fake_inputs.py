@@ -20,8 +20,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import quack
 from cache_fixtures.env import cache_env  # noqa: F401  (a fixture)
 from cache_fixtures.fake_cuda import cuda_empty as _cuda
-from quack import torch_interop as ti
-from quack.cache.launcher import FastLauncher, c_fields, layout, make_packer, parse_abi
+from quack.calls import torch_interop as ti
+from quack.launch.launcher import FastLauncher, c_fields, layout, make_packer, parse_abi
 from quack.compile_only import compile_only_mode
 
 NO_MEMORY = "is a tensor with elements but no memory"
@@ -140,7 +140,7 @@ NO_MEMORY_TENSORS = {"fake": lambda: _fake(8), "storageless": lambda: _Storagele
 
 @pytest.fixture
 def fastlaunch():
-    return pytest.importorskip("quack.cache._fastlaunch", reason="the C launcher is not built")
+    return pytest.importorskip("quack.launch._fastlaunch", reason="the C launcher is not built")
 
 
 class _Recorder:

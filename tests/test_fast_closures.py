@@ -9,12 +9,12 @@ import importlib
 import pytest
 import torch
 
-from quack.cache import fastpath
+from quack.calls import fastpath
 
 # The modules (``quack.softmax`` and the like name the ops themselves).
-softmax, rmsnorm, layernorm = (importlib.import_module(f"quack.{name}") for name in ("softmax", "rmsnorm", "layernorm"))
+softmax, rmsnorm, layernorm = (importlib.import_module(f"quack.families.{name}.op") for name in ("softmax", "rmsnorm", "layernorm"))
 
-pytest.importorskip("quack.cache._fastlaunch")
+pytest.importorskip("quack.launch._fastlaunch")
 
 
 @pytest.fixture

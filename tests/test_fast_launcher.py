@@ -1,8 +1,8 @@
-"""The C launcher (quack/cache/_fastlaunch.c) on the CPU: it writes the bytes
+"""The C launcher (quack/launch/_fastlaunch.c) on the CPU: it writes the bytes
 the Python packer writes, calls the entry point with the pointer array, and
 reports a failed launch; FastLauncher takes it after its first call, and
 falls back to ctypes with a notice where it is missing.  The eager fast
-path's parts (quack/cache/fastpath.py): what ``describe`` tells apart and refuses,
+path's parts (quack/calls/fastpath.py): what ``describe`` tells apart and refuses,
 the direct launcher's row and context fields, the closure table (the ops
 taking it: tests/test_user_calls.py, on the GPU).
 
@@ -30,11 +30,11 @@ from pathlib import Path
 import pytest
 import torch
 
-import quack.cache
+import quack.launch
 
-from quack.cache import fastpath
-from quack.cache import launcher
-from quack.cache.launcher import FastLauncher, layout, make_packer, parse_abi
+from quack.calls import fastpath
+from quack.launch import launcher
+from quack.launch.launcher import FastLauncher, layout, make_packer, parse_abi
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -60,7 +60,7 @@ def built_by_setup_py(tmp_path_factory):
 def fastlaunch(request):
     """The package's own build where there is one (Bazel's, an in-place or pip build), else setup.py's."""
     try:
-        from quack.cache import _fastlaunch
+        from quack.launch import _fastlaunch
     except ImportError:
         return request.getfixturevalue("built_by_setup_py")
     return _fastlaunch
@@ -70,17 +70,17 @@ def _build(out: Path):
     """The extension built by the project's setup.py (in a copy holding just
     it and the C source) and imported from there."""
     source = out / "src"
-    (source / "quack/cache").mkdir(parents=True)
+    (source / "quack/launch").mkdir(parents=True)
     shutil.copy(REPO / "setup.py", source)
-    shutil.copy(REPO / "quack/cache/_fastlaunch.c", source / "quack/cache")
+    shutil.copy(REPO / "quack/launch/_fastlaunch.c", source / "quack/launch")
     done = subprocess.run(
         [sys.executable, "setup.py", "build_ext", "--build-lib", str(out / "lib"), "--build-temp", str(out / "tmp")],
         cwd=source, capture_output=True, text=True,
     )
-    built = sorted((out / "lib").glob("quack/cache/_fastlaunch*.so"))
+    built = sorted((out / "lib").glob("quack/launch/_fastlaunch*.so"))
     if not built:
         pytest.skip(f"the C launcher could not be built here (no C compiler?): {done.stderr[-500:]}")
-    spec = importlib.util.spec_from_file_location("quack.cache._fastlaunch", built[0])
+    spec = importlib.util.spec_from_file_location("quack.launch._fastlaunch", built[0])
     assert built[0].name == "_fastlaunch.abi3.so"  # the stable ABI: one build for every Python 3.11+
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -199,10 +199,10 @@ def _forget_the_launcher_choice():
 def _use_module(monkeypatch, module):
     """Make ``module`` what ``from . import _fastlaunch`` finds (None: an
     ImportError): the package attribute, where an import set it, comes first."""
-    monkeypatch.setitem(sys.modules, "quack.cache._fastlaunch", module)
-    monkeypatch.setattr(quack.cache, "_fastlaunch", module, raising=False)
+    monkeypatch.setitem(sys.modules, "quack.launch._fastlaunch", module)
+    monkeypatch.setattr(quack.launch, "_fastlaunch", module, raising=False)
     if module is None:
-        monkeypatch.delattr(quack.cache, "_fastlaunch")
+        monkeypatch.delattr(quack.launch, "_fastlaunch")
     launcher._c_module.cache_clear()
 
 
@@ -256,7 +256,7 @@ def test_setup_py_builds_the_launcher(built_by_setup_py):
 
 @pytest.mark.skipif("TEST_SRCDIR" not in os.environ, reason="only under Bazel: its runfiles carry //quack's build")
 def test_bazel_builds_the_launcher_into_the_package():
-    # tools/quack_test.bzl gives GPU tests (and this one) //quack:cache/_fastlaunch.abi3.so.
+    # tools/quack_test.bzl gives GPU tests (and this one) //quack:launch/_fastlaunch.abi3.so.
     launcher._c_module.cache_clear()
     try:
         assert launcher.launcher_kind() == "C"
@@ -539,7 +539,7 @@ def test_closures_are_kept_per_op_and_description_and_bounded(fastlaunch, monkey
     table.remember((torch.zeros(1),), lambda: (lambda *a: 0))
     table.remember((torch.zeros(2),), lambda: (lambda *a: 0))
     assert len(table) == 1  # the table started over at its bound
-    fastpath.clear()  # quack.cache.clear() and quack.plan.clear() forget every op's closures
+    fastpath.clear()  # quack.cache.clear() and quack.calls.plan.clear() forget every op's closures
     assert len(table) == 0
 
 

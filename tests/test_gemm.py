@@ -14,9 +14,9 @@ import torch
 
 import quack
 from quack.compile_only import is_compile_only
-from quack.gemm import gemm_ref
-from quack.gemm_dact import activation_grad
-from quack.gemm_epilogue import ACTIVATIONS, GATED, TORCH_ACTIVATIONS, gated_ref
+from quack.families.gemm.op import gemm_ref
+from quack.families.gemm.dact import activation_grad
+from quack.families.gemm.epilogue import ACTIVATIONS, GATED, TORCH_ACTIVATIONS, gated_ref
 from quack.testing import matrix
 from quack.testing.autograd import vjp
 
@@ -480,7 +480,7 @@ def test_torch_compile_fullgraph_with_autograd():
 def test_backward_runs_the_planned_products(a_layout, b_layout, monkeypatch):
     # The backward's two products are the calls the forward's plan lists, so
     # warming a training call warms what its backward launches.
-    gemm_module = sys.modules["quack.gemm"]  # quack.gemm is the function
+    gemm_module = sys.modules["quack.families.gemm.op"]  # quack.gemm is the function
 
     seen = []
     real_plan_for = gemm_module.plan_for
@@ -539,7 +539,7 @@ def test_backward_takes_any_cotangent_layout(layout):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("activation", [*ACTIVATIONS[1:], *GATED])
 def test_activation_grad_kernel(activation, dtype, dy_layout):
-    # The backward's elementwise step dZ = dY * act'(Z) (quack/gemm_dact.py)
+    # The backward's elementwise step dZ = dY * act'(Z) (quack/families/gemm/dact.py)
     # against autograd through torch's activation in float64: 77 rows (a
     # partial tile of 32), 136 output columns (a partial tile of vectors),
     # the points 0, -0 and +-30, a transposed dY (copied first).

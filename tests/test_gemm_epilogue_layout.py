@@ -17,7 +17,7 @@ import cutlass.tensor_utils as tensor_utils  # noqa: E402
 import cutlass.utils.hopper_helpers as sm90  # noqa: E402
 
 from quack.cache.key import compile_options  # noqa: E402
-from quack.gemm_kernels import EPILOGUE_N, epilogue_copy  # noqa: E402
+from quack.families.gemm.kernel import EPILOGUE_N, epilogue_copy  # noqa: E402
 
 TILE = (128, 256)
 VALUES = TILE[0] * EPILOGUE_N // 256  # one 32-column subtile over two consumer warpgroups

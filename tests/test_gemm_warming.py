@@ -12,8 +12,8 @@ from cache_fixtures.env import cache_env  # noqa: F401  (fixture)
 
 import quack
 from quack.compile_only import compile_only_mode
-from quack.gemm import GROUP_CLASSES, LARGE_GROUP_ROWS, GemmCall, gemm_config
-from quack.plan import plan_for
+from quack.families.gemm.op import GROUP_CLASSES, LARGE_GROUP_ROWS, GemmCall, gemm_config
+from quack.calls.plan import plan_for
 
 
 def _configs_in(layer):

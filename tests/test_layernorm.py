@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import quack
-from quack.layernorm import layernorm_ref
+from quack.families.layernorm.op import layernorm_ref
 from quack.testing import matrix
 
 EPS = 1e-5
@@ -103,7 +103,7 @@ def test_leading_dims_and_empty_batch():
 def test_torch_compile_fullgraph(n):
     # bf16 with bf16 weight and bias, all requiring grad.  At N = 65536 the
     # backward runs clusters of 8, so the op asks the driver how many run at
-    # once (quack/occupancy.py) while the backward is traced.
+    # once (quack/calls/occupancy.py) while the backward is traced.
     inputs = _inputs((37, n), torch.bfloat16, "x", "x")
     fn = matrix.compiled(lambda x, weight, bias: _ours(x, weight, bias) * 2)
     matrix.check_case(

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import quack
-import quack.plan
+import quack.calls.plan
 from cache_fixtures.fake_cuda import cuda_empty as _cuda
 from cache_fixtures.fake_cuda import fake  # noqa: F401  (the fixture below)
 
@@ -70,7 +70,7 @@ def test_eps_must_be_a_finite_real_number_not_negative(eps, error):
 
 def test_eps_zero_reaches_the_kernel(monkeypatch):
     launches = []
-    monkeypatch.setattr(quack.plan.Kernel, "load", lambda kernel: lambda *args: launches.append(args))
+    monkeypatch.setattr(quack.calls.plan.Kernel, "load", lambda kernel: lambda *args: launches.append(args))
     quack.layernorm(_cuda(4, 8), eps=0)
     (args,) = launches
     assert type(args[6]) is float and args[6] == 0.0

@@ -12,15 +12,15 @@ import torch
 from cache_fixtures.env import cache_env  # noqa: F401  (fixture)
 
 import quack
-from quack import plan
-from quack.cache import manifest
+from quack.calls import plan
+from quack.calls import manifest
 from quack.cache import CacheMissError
 from quack.compile_only import compile_only_mode
-from quack.cross_entropy import CrossEntropyCall
-from quack.gemm import GemmCall
-from quack.layernorm import LayerNormCall
-from quack.rmsnorm import RMSNormCall
-from quack.softmax import SoftmaxCall
+from quack.families.cross_entropy.op import CrossEntropyCall
+from quack.families.gemm.op import GemmCall
+from quack.families.layernorm.op import LayerNormCall
+from quack.families.rmsnorm.op import RMSNormCall
+from quack.families.softmax.op import SoftmaxCall
 
 ROOT = Path(__file__).resolve().parent.parent
 SIGNATURES = [
@@ -141,7 +141,7 @@ def test_a_recorded_misaligned_call_replays_with_its_vector_width(tmp_path, monk
     # A contiguous view 2 bytes past an aligned base: 16-bit rows copy one
     # element at a time.  The manifest keeps that width, so its replay warms
     # the object the call ran, not the aligned one.
-    from quack.rmsnorm import call_signature
+    from quack.families.rmsnorm.op import call_signature
 
     record = tmp_path / "recorded.jsonl"
     monkeypatch.setenv(manifest.RECORD_ENV, str(record))

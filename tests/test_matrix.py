@@ -91,7 +91,8 @@ def test_row_classes():
     assert matrix.rows("odd", 4096, torch.bfloat16) % 2 == 1
     # "loops": at least twice the row tiles of the grid the norm backward
     # launches, at every N, for every weight and with dh_out.
-    from quack import norm_backward_plan, row_config
+    from quack.rowwise import norm_backward_grid as norm_backward_plan
+    from quack.rowwise import config as row_config
 
     for n in matrix.ROW_N:
         for dtype in (torch.float32, torch.float16, torch.bfloat16):

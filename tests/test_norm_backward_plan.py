@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import pytest
 
-from quack import occupancy, rowwise
-from quack import torch_interop as ti
-from quack.norm_backward_plan import L2, REGISTERS, SMEM, SMEM_BUDGET, _staged_bytes, ctas_per_sm, grid_clusters, pipeline_plan
+from quack.calls import occupancy
+from quack.rowwise import device as rowwise
+from quack.calls import torch_interop as ti
+from quack.rowwise.norm_backward_grid import L2, REGISTERS, SMEM, SMEM_BUDGET, _staged_bytes, ctas_per_sm, grid_clusters, pipeline_plan
 
 # Shared memory one CTA may allocate on sm_90 (227 KB).
 SM90_MAX_SMEM_PER_CTA = 232448

@@ -1,12 +1,12 @@
-"""Sizing persistent grids by the clusters that run at once (quack/occupancy.py)."""
+"""Sizing persistent grids by the clusters that run at once (quack/calls/occupancy.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from quack import occupancy
-from quack import torch_interop as ti
+from quack.calls import occupancy
+from quack.calls import torch_interop as ti
 
 
 def test_without_a_gpu_the_sm_count_estimates(monkeypatch):

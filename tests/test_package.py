@@ -41,13 +41,13 @@ def test_one_family_imports_that_family_only():
         quack.softmax
         print(sorted(m for m in sys.modules if m.startswith("quack.") and not m.startswith("quack.cache")))
     """)
-    assert "'quack.softmax'" in loaded
+    assert "'quack.families.softmax.op'" in loaded
     for other in ("rmsnorm", "layernorm", "cross_entropy", "gemm"):
-        assert f"'quack.{other}'" not in loaded
+        assert f"'quack.families.{other}'" not in loaded
 
 
 def test_no_family_imports_dynamo_or_the_dsl():
-    # torch._dynamo and the CuTe DSL cost seconds of cold start (issue 19): torch.compile imports
+    # torch._dynamo and the CuTe DSL cost seconds of cold start: torch.compile imports
     # the one when used, a compile the other; a process that loads cached objects needs neither.
     assert _python("""
         import sys, quack
@@ -60,15 +60,15 @@ def test_no_family_imports_dynamo_or_the_dsl():
 def test_exports_stay_the_ops_after_their_submodules_import():
     kinds = _python("""
         import importlib, types
-        import quack.layernorm                  # the submodule first, then the export
+        import quack.families.layernorm.op                  # the submodule first, then the export
         from quack import rmsnorm               # the export first, then the submodule
-        import quack.rmsnorm
-        from quack.softmax import softmax_bwd   # a from-import of the submodule
+        import quack.families.rmsnorm.op
+        from quack.families.softmax.op import softmax_bwd   # a from-import of the submodule
         import quack
-        importlib.import_module("quack.gemm")
+        importlib.import_module("quack.families.gemm.op")
         for name in ("layernorm", "rmsnorm", "softmax", "gemm", "cross_entropy", "gemm_ref"):
             print(name, type(getattr(quack, name)).__name__)
-        print(rmsnorm is quack.rmsnorm is importlib.import_module("quack.rmsnorm").rmsnorm)
+        print(rmsnorm is quack.rmsnorm is importlib.import_module("quack.families.rmsnorm.op").rmsnorm)
     """).splitlines()
     assert kinds[:-1] == [f"{name} function" for name in
                           ("layernorm", "rmsnorm", "softmax", "gemm", "cross_entropy", "gemm_ref")]

@@ -1,10 +1,10 @@
-"""The persistent backwards' partial dw / db buffers (quack/torch_interop.py):
+"""The persistent backwards' partial dw / db buffers (quack/calls/torch_interop.py):
 allocated uninitialised when the kernel writes every row, summed into the
 gradient in its dtype."""
 
 import torch
 
-from quack import torch_interop as ti
+from quack.calls import torch_interop as ti
 
 
 def test_buffer_is_zeroed_only_when_no_kernel_writes_it(monkeypatch):

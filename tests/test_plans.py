@@ -16,8 +16,8 @@ import pytest
 import torch
 
 import quack
-import quack.plan
-from quack import torch_interop as ti
+import quack.calls.plan
+from quack.calls import torch_interop as ti
 from quack.cache import _COMPILE_ONLY_DEPTH
 from quack.compile_only import compile_only_mode
 from quack.testing import matrix
@@ -62,7 +62,7 @@ def _eager_decisions():
 
 
 def _eager_plan(op_module, ours, inputs, grads, no_grad, monkeypatch):
-    real_plan_for = quack.plan.plan_for
+    real_plan_for = quack.calls.plan.plan_for
 
     def stop(sig):
         raise _Planned(real_plan_for(sig))
@@ -88,7 +88,7 @@ def _warmed_objects(ours, inputs, grads, no_grad, monkeypatch) -> set[str]:
         loaded.add(kernel.describe())
         return lambda *args: None
 
-    monkeypatch.setattr(quack.plan.Kernel, "load", note)
+    monkeypatch.setattr(quack.calls.plan.Kernel, "load", note)
     matrix.warm(ours, inputs, grads, no_grad)
     return loaded
 
@@ -111,7 +111,7 @@ def gpu_stand_in(monkeypatch):
 
 @pytest.mark.parametrize("op, case", list(_cases()))
 def test_compile_only_warms_the_eager_plan(op, case, monkeypatch, gpu_stand_in):
-    op_module = importlib.import_module(f"quack.{op}")
+    op_module = importlib.import_module(f"quack.families.{op}.op")
     with compile_only_mode():
         ours, inputs, params, mode = _captured_case(importlib.import_module(f"tests.test_{op}"), case, monkeypatch)
         floats = [k for k, v in inputs.items() if isinstance(v, torch.Tensor) and v.is_floating_point()]
@@ -124,7 +124,7 @@ def test_compile_only_warms_the_eager_plan(op, case, monkeypatch, gpu_stand_in):
     if eager is None:
         assert warmed == set()
         return
-    assert warmed == _objects(eager), f"eager plan {quack.plan.entry_line(eager.signature)}"
+    assert warmed == _objects(eager), f"eager plan {quack.calls.plan.entry_line(eager.signature)}"
     # A backward runs exactly when the GPU run takes gradients.
     assert eager.signature.backward == bool(grads and not no_grad)
 
@@ -201,11 +201,11 @@ def test_compile_only_sees_grad_mode_inside_a_differentiated_function(name, monk
     # grad mode (compile_only.warming_gradients): before, warming saw only
     # "differentiated" and warmed the training plan for every call.
     fn, backward = _GRAD_MODE_CALLS[name]
-    layernorm = importlib.import_module("quack.layernorm")
-    real_plan_for = quack.plan.plan_for
+    layernorm = importlib.import_module("quack.families.layernorm.op")
+    real_plan_for = quack.calls.plan.plan_for
     planned = []
     monkeypatch.setattr(layernorm, "plan_for", lambda sig: planned.append(sig) or real_plan_for(sig))
-    monkeypatch.setattr(quack.plan.Kernel, "load", lambda kernel: lambda *args: None)
+    monkeypatch.setattr(quack.calls.plan.Kernel, "load", lambda kernel: lambda *args: None)
     with compile_only_mode():
         x = torch.randn(8, 4096, device="cuda", dtype=torch.bfloat16)
         weight = torch.randn(4096, device="cuda", dtype=torch.float32)
@@ -217,11 +217,11 @@ def test_compile_only_sees_grad_mode_inside_a_differentiated_function(name, monk
 def test_warming_detaches_what_is_not_differentiated(monkeypatch, gpu_stand_in):
     # As the GPU run's evaluate(): a Parameter not differentiated reaches the
     # op without its flag, and the call leaves no mark on the caller's tensors.
-    layernorm = importlib.import_module("quack.layernorm")
-    real_plan_for = quack.plan.plan_for
+    layernorm = importlib.import_module("quack.families.layernorm.op")
+    real_plan_for = quack.calls.plan.plan_for
     planned = []
     monkeypatch.setattr(layernorm, "plan_for", lambda sig: planned.append(sig) or real_plan_for(sig))
-    monkeypatch.setattr(quack.plan.Kernel, "load", lambda kernel: lambda *args: None)
+    monkeypatch.setattr(quack.calls.plan.Kernel, "load", lambda kernel: lambda *args: None)
 
     def written_then_normed(x, weight):
         x.add_(1)

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 import quack.testing
-from quack.compile_only_gpu import CUDA_BUILD
+from quack.compile_only.gpu import CUDA_BUILD
 
 pytest_plugins = ["pytester"]
 # Inner runs are subprocesses in a temporary folder: they import quack from here.

@@ -15,7 +15,7 @@ from cache_fixtures.env import cache_env  # noqa: F401  (fixture)
 
 import quack.cache
 from quack import cli
-from quack.cache import manifest
+from quack.calls import manifest
 
 REPO = Path(__file__).resolve().parents[1]
 # Two softmax calls, a comment, a blank line and an entry written by hand: the inference call

@@ -10,7 +10,7 @@ import torch
 
 import quack
 from quack.compile_only import is_compile_only
-from quack.rmsnorm import rmsnorm_ref
+from quack.families.rmsnorm.op import rmsnorm_ref
 from quack.testing import matrix
 
 EPS = 1e-6
@@ -125,7 +125,7 @@ def test_leading_dims_and_empty_batch():
 def test_torch_compile_fullgraph(n):
     # bf16 with a bf16 weight, both requiring grad.  At N = 65536 the backward
     # runs clusters of 8, so the op asks the driver how many run at once
-    # (quack/occupancy.py) while the backward is traced.
+    # (quack/calls/occupancy.py) while the backward is traced.
     inputs = _inputs((64, n), torch.bfloat16, "x", False)
     del inputs["residual"]
     fn = matrix.compiled(lambda x, weight: quack.rmsnorm(x, weight, eps=EPS) * 2)

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import quack
-import quack.plan
+import quack.calls.plan
 from cache_fixtures.fake_cuda import cuda_empty as _cuda
 from cache_fixtures.fake_cuda import fake  # noqa: F401  (the fixture below)
 
@@ -74,14 +74,14 @@ def test_eps_must_be_a_finite_real_number_not_negative(eps, error):
 def test_the_kernel_gets_eps_as_a_float(eps, expected, monkeypatch):
     # None: torch.nn.functional.rms_norm's default, the machine epsilon of x's dtype.
     launches = []
-    monkeypatch.setattr(quack.plan.Kernel, "load", lambda kernel: lambda *args: launches.append(args))
+    monkeypatch.setattr(quack.calls.plan.Kernel, "load", lambda kernel: lambda *args: launches.append(args))
     quack.rmsnorm(_cuda(4, 8), eps=eps)
     (args,) = launches
     assert type(args[6]) is float and args[6] == expected
 
 
 def test_vector_width_follows_n_and_alignment():
-    from quack.rowwise import vector_width
+    from quack.rowwise.device import vector_width
 
     assert vector_width(4096, 2, (0, 2), (256, 2)) == 8  # 16-byte vectors
     assert vector_width(4097, 2, (0, 2)) == 1  # odd N: element copies

@@ -9,14 +9,14 @@ import quack
 from cache_fixtures.env import cache_env  # noqa: F401  (fixture)
 from cache_fixtures.fake_cuda import cuda_empty as _cuda
 from cache_fixtures.fake_cuda import fake  # noqa: F401  (fixture)
-from quack import plan
-from quack import torch_interop as ti
+from quack.calls import plan
+from quack.calls import torch_interop as ti
 from quack.cache import stats
-from quack.cross_entropy import CrossEntropyCall
-from quack.gemm import GemmCall
-from quack.layernorm import LayerNormCall
-from quack.rmsnorm import RMSNormCall
-from quack.softmax import SoftmaxCall
+from quack.families.cross_entropy.op import CrossEntropyCall
+from quack.families.gemm.op import GemmCall
+from quack.families.layernorm.op import LayerNormCall
+from quack.families.rmsnorm.op import RMSNormCall
+from quack.families.softmax.op import SoftmaxCall
 
 ROWWISE = {
     "rmsnorm": lambda x: quack.rmsnorm(x),

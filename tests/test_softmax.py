@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import quack
-from quack.softmax import softmax_ref
+from quack.families.softmax.op import softmax_ref
 from quack.testing import matrix
 
 # (atol, rtol) per input dtype, for the hand-written cases below; y is

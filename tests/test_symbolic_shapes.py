@@ -18,7 +18,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 # The modules, not the package's same-named functions.
-ce, ln, rms, sm = (importlib.import_module(f"quack.{name}") for name in ("cross_entropy", "layernorm", "rmsnorm", "softmax"))
+ce, ln, rms, sm = (importlib.import_module(f"quack.families.{name}.op") for name in ("cross_entropy", "layernorm", "rmsnorm", "softmax"))
 
 
 def _stats(x):

@@ -7,7 +7,7 @@ No test file warms these shapes: only tools/configs/production.jsonl does, so
 a strict run (Bazel's GPU test, or the GPU machine against the Bazel-built
 artifact) passes exactly when the manifest covers what these calls need.
 Values are checked against the fp32 references.  A repeated inference call
-takes the eager fast path (quack/cache/fastpath.py) and gives the first call's
+takes the eager fast path (quack/calls/fastpath.py) and gives the first call's
 bits, on the current stream.
 """
 
@@ -18,7 +18,7 @@ import torch
 
 import quack
 import quack.cache
-from quack.cache import fastpath
+from quack.calls import fastpath
 from quack.testing import matrix
 from quack.testing.autograd import vjp
 
@@ -110,7 +110,7 @@ def test_gemm(b_layout):
         torch.testing.assert_close(quack.gemm(a, b).float(), quack.gemm_ref(a, b).float(), atol=0.5, rtol=2e-2)
 
 
-# ---- the eager fast path (quack/cache/fastpath.py) ----------------------------------
+# ---- the eager fast path (quack/calls/fastpath.py) ----------------------------------
 
 
 def _inference_calls():
@@ -140,10 +140,10 @@ def _inference_calls():
 
 
 def _requires_the_c_launcher():
-    from quack.cache.launcher import launcher_kind
+    from quack.launch.launcher import launcher_kind
 
     if launcher_kind() != "C":
-        pytest.skip("the fast path needs the C launcher (quack/cache/_fastlaunch.c), not built here")
+        pytest.skip("the fast path needs the C launcher (quack/launch/_fastlaunch.c), not built here")
 
 
 def _memory_hits() -> int:

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from quack import warm
-from quack.cache import manifest
-from quack.softmax import SoftmaxCall
+from quack.calls import manifest
+from quack.families.softmax.op import SoftmaxCall
 
 REPO = Path(__file__).resolve().parents[1]
 KEY = "0123456789abcdef0123456789abcdef"

@@ -248,15 +248,10 @@ for s in spawns:
     # Every module of the package that the action may import is a declared input (other kernel
     # families' modules are left out on purpose).
     family = s["targetLabel"].rsplit("warm_cache_", 1)[-1]
-    fam_mods = set()
-    for line in open(os.path.join(checkout, "tools/kernel_families.bzl")):
-        line = line.strip()
-        if line.startswith('"') and line.endswith('",'):
-            fam_mods.add(line[1:-2])
     for path in glob.glob(os.path.join(checkout, "quack/**/*.py"), recursive=True):
         rel = os.path.relpath(path, checkout)
-        base = os.path.basename(rel)[:-3]
-        owner = next((f for f in fam_mods if rel.count("/") == 1 and (base == f or base.startswith(f + "_"))), None)
+        parts = rel.split("/")
+        owner = parts[2] if len(parts) > 3 and parts[1] == "families" else None
         if owner not in (None, family):
             continue
         if rel not in inputs:

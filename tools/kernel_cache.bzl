@@ -80,7 +80,7 @@ kernel_cache = rule(
         "lock": attr.label(mandatory = True, allow_single_file = True, doc = "The Python lock file."),
         "manifests": attr.label_list(
             allow_files = [".jsonl"],
-            doc = "Manifests of calls to warm beside the tests (quack/cache/manifest.py), e.g. recorded with QUACK_CACHE_RECORD.",
+            doc = "Manifests of calls to warm beside the tests (quack/calls/manifest.py), e.g. recorded with QUACK_CACHE_RECORD.",
         ),
         "matrix": attr.string(
             default = "ci",
@@ -189,7 +189,7 @@ kernel_cache_bundle = rule(
     `python -m quack.cache install <name>.tar --into DIR`.""",
     attrs = {
         "caches": attr.label_list(mandatory = True, providers = [KernelCacheInfo], doc = "kernel_cache or kernel_cache_set targets."),
-        "srcs": attr.label_list(mandatory = True, allow_files = [".py"], doc = "quack/__init__.py and the quack/cache/ modules (the bundler)."),
+        "srcs": attr.label_list(mandatory = True, allow_files = [".py"], doc = "quack/__init__.py and the quack/cache/ and quack/launch/ modules (the bundler)."),
         "_python": attr.label(default = _PINNED_PYTHON, providers = [PyRuntimeInfo]),
     },
 )

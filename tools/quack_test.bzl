@@ -120,7 +120,7 @@ def quack_test(
         main = ":%s.py" % launcher,
         deps = sorted({d: None for d in ["//quack"] + deps}.keys()),
         # A GPU test launches through the C launcher (without it, through ctypes).
-        data = ["//:pytest_config"] + caches + (["//quack:cache/_fastlaunch.abi3.so"] if gpu else []) + data,
+        data = ["//:pytest_config"] + caches + (["//quack:launch/_fastlaunch.abi3.so"] if gpu else []) + data,
         # QUACK_MATRIX follows the kernel cache's selection (--config=smoke: //tools:smoke_matrix).
         env = select({
             "//tools:smoke_matrix": dict(_test_env(gpu), QUACK_MATRIX = "smoke"),

@@ -7,7 +7,7 @@ Two sources of kernel calls, both on fake CUDA tensors:
 
 * test files, through ``pytest --compile-only`` (the quack pytest plugin), so
   every object a GPU run of those tests needs is exported;
-* manifests of call signatures (``quack/cache/manifest.py``; ``--configs``,
+* manifests of call signatures (``quack/calls/manifest.py``; ``--configs``,
   repeatable), such as tools/configs/production.jsonl or a file a job
   recorded with ``QUACK_CACHE_RECORD=FILE``: each call's plan is warmed,
   with no per-op code here.
@@ -41,7 +41,7 @@ FLAGS = flags.FLAGS
 flags.DEFINE_string("out", None, "Cache directory to fill: new, empty or a cache folder.", required=True)
 flags.DEFINE_multi_string("family", [], "Kernel families to warm (default: every family seen).")
 flags.DEFINE_multi_string("tests", [], "Test files to run under pytest --compile-only.")
-flags.DEFINE_multi_string("configs", [], "Manifests of calls to warm (quack/cache/manifest.py).")
+flags.DEFINE_multi_string("configs", [], "Manifests of calls to warm (quack/calls/manifest.py).")
 flags.DEFINE_string("arch", None, "GPU arch to compile for (default: QUACK_ARCH or sm_90a).")
 
 
@@ -49,7 +49,7 @@ def main(argv: list[str]) -> None:
     del argv
     from quack import warm
     from quack.cache.errors import CacheError
-    from quack.cache.manifest import ManifestError
+    from quack.calls.manifest import ManifestError
 
     try:
         result = warm.warm(Path(FLAGS.out), manifests=FLAGS.configs, families=FLAGS.family,

@@ -19,7 +19,7 @@ import types
 
 from .config import current_arch
 from .errors import CacheError, CacheMissError
-from .handle import KernelHandle, _noop_kernel
+from quack.launch.handle import KernelHandle, _noop_kernel
 from .jit import clear, jit_cache
 from .key import CACHE_FORMAT_VERSION
 from .key import compile_options as _options_for

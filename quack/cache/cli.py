@@ -308,9 +308,10 @@ def show_config(args) -> dict[str, Any]:
     launcher and object loader, and the settings in force."""
     import torch
 
-    from . import key, manifest, native
+    from . import key, native
+    from quack.calls import manifest
     from .config import HOST_TARGET, lock_timeout, read_config
-    from .launcher import launcher_kind
+    from quack.launch.launcher import launcher_kind
 
     config = read_config()
     with warnings.catch_warnings(record=True) as notices:
@@ -340,7 +341,7 @@ def show_config(args) -> dict[str, Any]:
         "layers": layers,
         "launcher": {
             "kind": launcher,
-            "detail": "quack.cache._fastlaunch" if launcher == "C" else "; ".join(str(n.message) for n in notices),
+            "detail": "quack.launch._fastlaunch" if launcher == "C" else "; ".join(str(n.message) for n in notices),
         },
         "object_loader": (f"the CuTe DSL runtime's C loader ({runtime})" if runtime
                           else "the CuTe DSL's load_module (no runtime library found)"),

@@ -38,12 +38,12 @@ from . import maintenance, native, stats
 from .config import CacheConfig, read_config
 from .errors import CacheError, CacheMissError
 from .files import UnsafeFile
-from .handle import KernelHandle, _noop_kernel
+from quack.launch.handle import KernelHandle, _noop_kernel
 from .key import function_prefix, key_hash, object_key
-from .launcher import FastLauncher
+from quack.launch.launcher import FastLauncher
 from .mode import compile_only_active
 from .source_hash import record_imported
-from .launcher import parse_abi
+from quack.launch.launcher import parse_abi
 from .store import (
     ExportError,
     summary,
@@ -425,7 +425,7 @@ def clear(*, disk: bool = False) -> None:
         _WARNED.clear()
         _LAYER_BYTES.clear()
     stats.reset()
-    fastpath = sys.modules.get("quack.cache.fastpath")  # the ops' closures hold loaded handles
+    fastpath = sys.modules.get("quack.calls.fastpath")  # the ops' closures hold loaded handles
     if fastpath is not None:
         fastpath.clear()
     if disk:

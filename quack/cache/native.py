@@ -29,8 +29,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 from . import key, stats
-from .handle import KernelHandle
-from .launcher import FastLauncher, RuntimeFunction
+from quack.launch.handle import KernelHandle
+from quack.launch.launcher import FastLauncher, RuntimeFunction
 
 log = logging.getLogger("quack.cache")
 RUNTIME_LIBRARY = key.RUNTIME_LIBRARY

@@ -3,7 +3,7 @@
 A family's objects must be rebuilt when its module, or any project module it
 (transitively) imports, changes -- and only then. Files are hashed by content in
 sorted package-relative path order, so the checkout's location never matters.
-The ``cache`` and ``testing`` subpackages are excluded: they do not shape the
+The ``cache``, ``compile_only``, ``launch`` and ``testing`` subpackages are excluded: they do not shape the
 kernels' bytes.
 
 Only modules named by ``import`` statements are followed (anywhere in the file,
@@ -23,7 +23,7 @@ import importlib.util
 import os
 from pathlib import Path
 
-EXCLUDED_SUBPACKAGES = ("cache", "testing")
+EXCLUDED_SUBPACKAGES = ("cache", "compile_only", "launch", "testing")
 
 # module name -> source hash taken when the module was imported (``record_imported``).
 _AS_IMPORTED: dict[str, str] = {}

@@ -31,7 +31,7 @@ from .config import lock_timeout
 from .errors import CacheError
 from .files import MAX_OBJECT_BYTES, MAX_SIDECAR_BYTES, UnsafeFile, ownership_problem, private_folder, read_bounded
 from .key import CACHE_FORMAT_VERSION, canonical_json
-from .launcher import parse_abi
+from quack.launch.launcher import parse_abi
 
 log = logging.getLogger("quack.cache")
 

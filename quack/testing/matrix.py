@@ -343,7 +343,8 @@ LEAD = ("2d", "3d")
 
 def rows(m_class: str, n: int, dtype: torch.dtype) -> int:
     """The number of rows of an M class at this N and dtype."""
-    from quack import norm_backward_plan, row_config
+    from quack.rowwise import norm_backward_grid as norm_backward_plan
+    from quack.rowwise import config as row_config
 
     if m_class == "one":
         return 1
@@ -351,7 +352,7 @@ def rows(m_class: str, n: int, dtype: torch.dtype) -> int:
         return 37
     if m_class == "tile_multiple":
         return 64
-    from quack import torch_interop as ti
+    from quack.calls import torch_interop as ti
 
     elem = torch.empty((), dtype=dtype).element_size()
     cfg = row_config.backward_config(n, row_config.vector_width(n, elem))

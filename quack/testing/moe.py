@@ -20,7 +20,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from quack.gemm_epilogue import gated_ref
+from quack.families.gemm.epilogue import gated_ref
 
 GroupedMM = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 

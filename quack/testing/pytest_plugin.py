@@ -31,7 +31,7 @@ the mode the ordinary GPU code of a test runs as on the GPU: autograd
 (``loss.backward()``, ``torch.autograd.grad``, optimizers), ``Module.cuda()``,
 autocast, ``GradScaler``, ``torch.compile`` (its captured graph runs
 eagerly), device queries answered for the compile target ``QUACK_ARCH``
-(``quack/compile_only_gpu.py`` says what is emulated and what is not).  A
+(``quack/compile_only/gpu.py`` says what is emulated and what is not).  A
 test that touches CUDA outside the mode fails with a hint to mark it.
 
 Under ``--compile-only`` value comparisons are meaningless, so
@@ -113,10 +113,10 @@ def _gpu_available() -> bool:
 @pytest.hookimpl(wrapper=True)
 def pytest_collection(session: pytest.Session):
     """Under --compile-only, torch.cuda answers as a GPU while test modules
-    are imported (a CUDA build of torch: ``quack.compile_only_gpu.claimed``)."""
+    are imported (a CUDA build of torch: ``quack.compile_only.gpu.claimed``)."""
     if not _compile_only(session.config):
         return (yield)
-    from quack.compile_only_gpu import claimed
+    from quack.compile_only.gpu import claimed
 
     with claimed():
         return (yield)
@@ -141,9 +141,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def _mark_tests_asking_for_cuda(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Under --compile-only, a test written for a GPU without the marker is
     one: its module's own code asked ``torch.cuda.is_available()`` at import
-    (``quack.compile_only_gpu.ASKED_FROM``), or its
+    (``quack.compile_only.gpu.ASKED_FROM``), or its
     function, one of its fixtures or a string ``skipif`` condition asks it."""
-    from quack.compile_only_gpu import ASKED_FROM, CUDA_BUILD
+    from quack.compile_only.gpu import ASKED_FROM, CUDA_BUILD
 
     if not CUDA_BUILD:
         return  # nothing can run them on fake CUDA tensors (the summary says so)
@@ -333,7 +333,7 @@ def _report_cache_stats(tr) -> None:
 def _report_warmed(terminalreporter, config: pytest.Config) -> None:
     if not _compile_only(config):
         return
-    from quack.compile_only_gpu import CUDA_BUILD
+    from quack.compile_only.gpu import CUDA_BUILD
 
     tr = terminalreporter
     if not CUDA_BUILD:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import quack.cache
 from quack.cache import native
-from quack.cache.handle import KernelHandle
+from quack.launch.handle import KernelHandle
 
 FAMILY = "test_fake"
 HEADER = "#include <cuda_runtime.h>\nint32_t cute_dsl_{prefix}_wrapper(void *module, cudaStream_t stream);\n"

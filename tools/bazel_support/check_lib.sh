@@ -49,8 +49,11 @@ NOCACHE=(--disk_cache= --noremote_accept_cached --noremote_upload_local_results)
 # family's action, each warming its matrix's first case. Determinism builds the whole suite.
 SMOKE=(--config=smoke)
 
-# kernel_families CHECKOUT: the names in the checkout's KERNEL_FAMILIES, one a line.
-kernel_families() { sed -n 's/^ *"\([a-z_0-9]*\)",$/\1/p' "$1/tools/kernel_families.bzl"; }
+# kernel_families CHECKOUT: the checkout's kernel family packages (quack/families/<family>/), one a line.
+kernel_families() {
+  local init
+  for init in "$1"/quack/families/*/__init__.py; do basename "$(dirname "$init")"; done
+}
 
 # tree_digest DIR...: one line per file: sha256 and path relative to its directory.
 tree_digest() {

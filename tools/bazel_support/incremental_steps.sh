@@ -3,17 +3,16 @@
 # output base BASE, checks the warm_cache actions' inputs on the smoke selection (check_lib.sh's
 # SMOKE), reading Bazel's JSON execution log:
 #   1. a no-op rebuild runs no QuackWarmCache action;
-#   2. changing one family's module (quack/<family>.py) reruns exactly that family's action;
+#   2. changing one family's module (quack/families/<family>/op.py) reruns exactly that family's action;
 #   3. changing a shared module reruns every family's action;
 #   4. changing requirements_lock.txt makes a new Python environment and reruns every family.
-# FAMILY defaults to the first in KERNEL_FAMILIES; the environment made for step 4 is removed.
+# FAMILY defaults to the first kernel family package; the environment made for step 4 is removed.
 incremental_steps() {
   local c=$1 base=$2 families n family shared step=0 old_env new_env
   families=$(kernel_families "$c")
   n=$(wc -w <<<"$families")
   family=${3:-$(head -n1 <<<"$families")}
-  shared=$(cd "$c/quack" && ls *.py | grep -v -x -F -f <(sed 's/$/.py/' <<<"$families") |
-    grep -v -x __init__.py | head -n1)
+  shared=$(cd "$c/quack" && ls *.py | grep -v -x __init__.py | head -n1)
   shared=${shared:-__init__.py}
 
   # build_and_count EXPECTED WHAT: build, then require EXPECTED QuackWarmCache runs.
@@ -33,8 +32,8 @@ incremental_steps() {
   log "initial build: //quack:warm_cache ${SMOKE[*]}"
   bzl "$c" "$base" build "${NOCACHE[@]}" "${SMOKE[@]}" //quack:warm_cache
   build_and_count 0 "no change"
-  printf '\n# check_bazel_incremental %s\n' "$RANDOM$RANDOM" >>"$c/quack/$family.py"
-  build_and_count 1 "edit quack/$family.py"
+  printf '\n# check_bazel_incremental %s\n' "$RANDOM$RANDOM" >>"$c/quack/families/$family/op.py"
+  build_and_count 1 "edit quack/families/$family/op.py"
   count_runs "$work/exec$step.json" QuackWarmCache | grep -q ":warm_cache_$family$" ||
     fail "the action that ran is not warm_cache_$family"
   printf '\n# check_bazel_incremental %s\n' "$RANDOM$RANDOM" >>"$c/quack/$shared"

@@ -57,7 +57,7 @@ package(default_visibility = ["//visibility:public"])
 exports_files(["env_info.json", "python3"])
 
 # The interpreter's C headers (the link `include`), for extensions built against the stable ABI
-# (//quack:cache/_fastlaunch.abi3.so): declared by content, so no install path enters an
+# (//quack:launch/_fastlaunch.abi3.so): declared by content, so no install path enters an
 # action's key.
 cc_library(
     name = "python_headers",

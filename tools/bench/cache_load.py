@@ -27,8 +27,8 @@ import cutlass  # noqa: E402,F401
 
 from quack import cache  # noqa: E402
 from quack.cache.source_hash import module_source_hash  # noqa: E402
-from quack.gemm import GemmConfig, compile_gemm, gemm_config  # noqa: E402
-from quack.rmsnorm import compile_rmsnorm_bwd, compile_rmsnorm_fwd  # noqa: E402
+from quack.families.gemm.op import GemmConfig, compile_gemm, gemm_config  # noqa: E402
+from quack.families.rmsnorm.op import compile_rmsnorm_bwd, compile_rmsnorm_fwd  # noqa: E402
 
 CONFIGS = {
     "rmsnorm": [
@@ -50,7 +50,7 @@ CONFIGS = {
 def main() -> None:
     family = sys.argv[sys.argv.index("--family") + 1] if "--family" in sys.argv else "rmsnorm"
     t0 = time.perf_counter()
-    module_source_hash(f"quack.{family}")
+    module_source_hash(f"quack.families.{family}.op")
     print(f"source hash of the {family} family (once per process): {(time.perf_counter() - t0) * 1e3:.1f} ms")
     print(f"{'kernel':<70}{'compile+export ms':>18}{'lookup+load ms':>16}{'ratio':>8}")
     ratios = []
@@ -59,7 +59,7 @@ def main() -> None:
         fn(*args)
         compile_ms = (time.perf_counter() - t0) * 1e3
         cache.clear()
-        module_source_hash(f"quack.{family}")  # per family, not per kernel: see above
+        module_source_hash(f"quack.families.{family}.op")  # per family, not per kernel: see above
         t0 = time.perf_counter()
         fn(*args)
         load_ms = (time.perf_counter() - t0) * 1e3

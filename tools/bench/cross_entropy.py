@@ -18,7 +18,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import quack  # noqa: E402
-from quack.cross_entropy import cross_entropy_bwd, cross_entropy_fwd  # noqa: E402
+from quack.families.cross_entropy.op import cross_entropy_bwd, cross_entropy_fwd  # noqa: E402
 from harness import STANDARD_SHAPES, Case, parse_args, run  # noqa: E402
 
 

@@ -132,7 +132,7 @@ def _epilogue_label(activation, with_bias: bool) -> str:
 
 
 def _torch_activation(activation):
-    from quack.gemm_epilogue import TORCH_ACTIVATIONS
+    from quack.families.gemm.epilogue import TORCH_ACTIVATIONS
 
     return TORCH_ACTIVATIONS[activation] if activation else (lambda z: z)
 
@@ -212,7 +212,7 @@ def glu_cases(size: int = 8192):
     grouped forward's shapes for swiglu: fused, our plain GEMM of the same
     B (the 5% budget), torch's GEMM then the torch gating, and torch.compile
     of the same.  FLOPs of the GEMM (2 M 2N K)."""
-    from quack.gemm_epilogue import GATED, gated_ref
+    from quack.families.gemm.epilogue import GATED, gated_ref
 
     a = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(size, size, device="cuda", dtype=torch.bfloat16) / size**0.5
@@ -300,11 +300,11 @@ def print_epilogues(cases=None) -> None:
 def standalone_backward_cases(m: int = 8192, k: int = 4096, n: int = 4096):
     """gemm(activation) forward + backward, where no GEMM produces the
     incoming gradient: its dZ = dY * act'(Z) is one elementwise kernel over
-    the saved pre-activation (quack/gemm_dact.py; quack.mlp fuses it into the
+    the saved pre-activation (quack/families/gemm/dact.py; quack.mlp fuses it into the
     dH GEMM's epilogue instead), timed beside the plain GEMM's forward +
     backward, and the kernel alone beside torch's own backward kernel of the
     activation on the same bf16 tensors."""
-    from quack.gemm_dact import activation_grad
+    from quack.families.gemm.dact import activation_grad
 
     a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     b = (torch.randn(k, n, device="cuda", dtype=torch.bfloat16) / k**0.5).requires_grad_()

@@ -83,8 +83,8 @@ def raw_rows():
     """The raw launch of one cached object, its floor and the DSL's call path, beside torch.add."""
     import torch
 
-    import quack.torch_interop as ti
-    from quack.rmsnorm import compile_rmsnorm_fwd
+    import quack.calls.torch_interop as ti
+    from quack.families.rmsnorm.op import compile_rmsnorm_fwd
 
     x = torch.randn(8, 4096, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(4096, device="cuda", dtype=torch.bfloat16)
@@ -104,10 +104,10 @@ def raw_rows():
         dsl_fn = fast._fn
         rows.append(("  same object, CuTe DSL call path",
                      lambda: dsl_fn(x, w, None, y, None, rstd, Float32(1e-6), cu_stream)))
-    # What the eager fast path (quack/cache/fastpath.py) spends per call, part by part.
+    # What the eager fast path (quack/calls/fastpath.py) spends per call, part by part.
     direct = kernel.direct(x.device.index, frozenset((0, 2, 3, 4)))
     rows.append(("  direct launcher (the fast path's)", lambda: direct(x, w, None, y, None, rstd, 1e-6, None)))
-    from quack.cache import fastpath
+    from quack.calls import fastpath
 
     rows.append(("  fast path key (describe x, w, None)", lambda: fastpath.describe(x, w, None)))
     rows.append(("  torch.empty_like(x)", lambda: torch.empty_like(x)))
@@ -125,9 +125,9 @@ def softmax_rows():
 
     import torch
 
-    from quack.cache import fastpath
+    from quack.calls import fastpath
 
-    op = importlib.import_module("quack.softmax")
+    op = importlib.import_module("quack.families.softmax.op")
     x = torch.randn(8, 4096, device="cuda", dtype=torch.bfloat16)
     y = op.softmax(x)
     table = op._FAST._by_key
@@ -246,7 +246,7 @@ def main() -> None:
 
     import torch
 
-    from quack.cache.launcher import launcher_kind
+    from quack.launch.launcher import launcher_kind
 
     print(f"per-call CPU time (us), {args.calls} calls in batches of {BATCH}; launcher: {launcher_kind()}; "
           f"torch {torch.__version__}, {torch.cuda.get_device_name()}")

@@ -18,7 +18,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import quack  # noqa: E402
-from quack.layernorm import layernorm_bwd, layernorm_fwd  # noqa: E402
+from quack.families.layernorm.op import layernorm_bwd, layernorm_fwd  # noqa: E402
 from harness import STANDARD_SHAPES, Case, parse_args, run  # noqa: E402
 
 

@@ -18,7 +18,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import quack  # noqa: E402
-from quack.rmsnorm import rmsnorm_bwd, rmsnorm_fwd  # noqa: E402
+from quack.families.rmsnorm.op import rmsnorm_bwd, rmsnorm_fwd  # noqa: E402
 from harness import STANDARD_SHAPES, Case, parse_args, run  # noqa: E402
 
 

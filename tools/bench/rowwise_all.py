@@ -3,8 +3,8 @@
     python tools/bench/rowwise_all.py [--dtype bfloat16 float16] [--only bandwidth|decode]
 
 One bandwidth table per activation dtype, quack's kernels only: the quick
-check after a change to the shared row-wise code (quack/rowwise.py,
-quack/norm_backward.py), where the family scripts (softmax.py, ...) also time
+check after a change to the shared row-wise code (quack/rowwise/device.py,
+quack/rowwise/norm_backward.py), where the family scripts (softmax.py, ...) also time
 torch eager and torch.compile.  Bytes as the family scripts count them; the
 copy is measured in the same process.
 
@@ -36,7 +36,7 @@ DECODE_N = (4096, 8192)
 
 # The modules, not the package's same-named functions.
 ce_mod, ln_mod, rms_mod, sm_mod = (
-    importlib.import_module(f"quack.{name}") for name in ("cross_entropy", "layernorm", "rmsnorm", "softmax")
+    importlib.import_module(f"quack.families.{name}.op") for name in ("cross_entropy", "layernorm", "rmsnorm", "softmax")
 )
 
 

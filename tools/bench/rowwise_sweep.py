@@ -3,9 +3,9 @@
     CUTE_DSL_DISABLE_FILE_CACHING=1 python tools/bench/rowwise_sweep.py --family rmsnorm
 
 The budget (values of a row per thread) decides threads per row and cluster
-size (quack.rowwise.RowConfig.for_row).  Each setting compiles into a fresh
+size (quack.rowwise.device.RowConfig.for_row).  Each setting compiles into a fresh
 cache directory and prints the share of copy bandwidth per long-row shape
-(bf16); the defaults in quack/rowwise.py come from these sweeps.
+(bf16); the defaults in quack/rowwise/device.py come from these sweeps.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ SWEEPS = [
 
 def _launchers(family: str, m: int, n: int):
     """(forward, its bytes), (backward, its bytes) for one shape."""
-    mod = importlib.import_module(f"quack.{family}")  # the module, not the same-named function
+    mod = importlib.import_module(f"quack.families.{family}.op")
     x = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(n, device="cuda", dtype=torch.bfloat16)
     dy = torch.randn_like(x)

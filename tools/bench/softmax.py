@@ -16,7 +16,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import torch  # noqa: E402
 
 import quack  # noqa: E402
-from quack.softmax import softmax_bwd  # noqa: E402
+from quack.families.softmax.op import softmax_bwd  # noqa: E402
 from harness import STANDARD_SHAPES, Case, parse_args, run  # noqa: E402
 
 

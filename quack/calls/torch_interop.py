@@ -1,0 +1,279 @@
+"""Small bridges between torch tensors and CuTe DSL launches, shared by every family.
+
+Input validation lives here so each op checks the same things, cheaply and
+before any launch: dtype (TypeError), device, memory a kernel can read (no
+fake tensor outside compile-only mode, no negated view), shape and layout
+(ValueError).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from quack.rowwise import config as row_config
+from quack.compile_only import is_compile_only
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+_ELEMENT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+_DTYPE_NAMES = {d: str(d).removeprefix("torch.") for d in (*FLOAT_DTYPES, torch.int32, torch.int64)}
+_FakeTensor = torch._subclasses.fake_tensor.FakeTensor
+_PLAIN = (torch.Tensor, torch.nn.Parameter)  # never fake: the usual inputs skip the slower isinstance
+_SM_COUNTS: dict[int, int] = {}
+# Rows are indexed with 32-bit integers in every kernel (grid, statistics,
+# targets), with headroom for the persistent backward's prefetch of the row
+# tile after its last, whose (unused) row index must not wrap: at most a
+# grid's worth of rows (132 SMs x 4 CTAs x 16 rows) past M.
+MAX_ROWS = 2**31 - 2**16
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The key spelling of a torch dtype: "bfloat16", "float32", ..."""
+    name = _DTYPE_NAMES.get(dtype)
+    return name if name is not None else str(dtype).removeprefix("torch.")
+
+
+def cute_dtype(name: str):
+    """CuTe DSL numeric type for a key dtype name (compile time only: the
+    DSL is imported here, never by a call that loads cached objects)."""
+    import cutlass
+
+    return {"float32": cutlass.Float32, "float16": cutlass.Float16, "bfloat16": cutlass.BFloat16}[name]
+
+
+def vector_width(n: int, x: torch.Tensor, *others: torch.Tensor | None) -> int:
+    """Elements per vector copy of x's rows that every tensor of the launch
+    (None entries skipped) can use: 16 bytes of x's dtype when N and every
+    base pointer allow it, fewer otherwise (see row_config.vector_width)."""
+    present = (x, *(t for t in others if t is not None))
+    if not is_compile_only():
+        # The usual case, cheaply: real tensors, every base 16-byte aligned.
+        addresses = 0
+        for t in present:
+            addresses |= t.data_ptr()
+        if not addresses & 15:
+            return math.gcd(n, 16 // x.element_size())
+    return row_config.vector_width(n, x.element_size(), *((address(t), t.element_size()) for t in present))
+
+
+def full_width(n: int, dtype: str) -> int:
+    """The vector width of rows of N ``dtype`` values whose tensors are all
+    16-byte aligned (``aligned``): what a backward kernel is compiled for."""
+    return row_config.vector_width(n, _ELEMENT_BYTES[dtype])
+
+
+def aligned(t: torch.Tensor | None) -> torch.Tensor | None:
+    """``t``, or a contiguous copy when its base is not 16-byte aligned: the
+    backward kernels run at ``full_width`` whatever views autograd hands them."""
+    if t is None or address(t) % 16 == 0:
+        return t
+    copy = t.clone(memory_format=torch.contiguous_format)
+    return as_rows(copy, t.shape[-1]) if t.dim() == 2 else copy
+
+
+def will_backward(*tensors: torch.Tensor | None) -> bool:
+    """Will autograd run this call's backward?  Some input requires grad and
+    grad mode is on: the one rule by which an eager call chooses its kernels
+    and compile-only mode warms them (on a CPU-only torch,
+    ``compile_only.warming_gradients`` keeps ``requires_grad`` as autograd
+    would without building a graph)."""
+    return any(t is not None and t.requires_grad for t in tensors) and torch.is_grad_enabled()
+
+
+def address(t: torch.Tensor) -> int:
+    """Byte address used for alignment decisions.
+
+    Fake tensors (compile-only) have no storage; their allocation base is
+    aligned like a real CUDA allocation, so only the storage offset counts.
+    Only op bodies ask, which torch.compile never traces."""
+    if isinstance(t, _FakeTensor):
+        return t.storage_offset() * t.element_size()
+    return t.data_ptr()
+
+
+def sm_count(device_index: int) -> int:
+    """Streaming multiprocessors of the GPU (132, an H100/H200's, when none is
+    visible).  In compile-only mode the GPU is the compile target, never a
+    device query (``torch.cuda`` answers for the target there)."""
+    if is_compile_only():
+        from quack.compile_only.gpu import SM_COUNT
+
+        return SM_COUNT
+    count = _SM_COUNTS.get(device_index)
+    if count is None:
+        count = 132
+        if torch.cuda.is_available():
+            count = torch.cuda.get_device_properties(device_index).multi_processor_count
+        _SM_COUNTS[device_index] = count
+    return count
+
+
+def current_stream(device: torch.device) -> int:
+    """The raw handle of torch's current CUDA stream on ``device`` (0 under
+    compile-only, where nothing launches)."""
+    if is_compile_only():
+        return 0
+    return torch._C._cuda_getCurrentRawStream(device.index if device.index is not None else 0)
+
+
+def as_rows(t: torch.Tensor, n: int) -> torch.Tensor:
+    """View a contiguous (..., N) tensor as (M, N).
+
+    A (1, 1) view has two unit strides, from which CuTe cannot tell the
+    leading dimension; giving its (never used) row stride the value 2 keeps
+    the layout unambiguous without copying."""
+    rows = t if t.dim() == 2 else t.reshape(-1, n)
+    if rows.shape == (1, 1):
+        rows = rows.as_strided((1, 1), (2, 1))
+    return rows
+
+
+def check_float(name: str, t: torch.Tensor, allowed=FLOAT_DTYPES) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in allowed:
+        names = ", ".join(dtype_name(d) for d in allowed)
+        raise TypeError(f"{name} has dtype {dtype_name(t.dtype)}; expected one of {names}")
+
+
+def check_cuda(name: str, t: torch.Tensor, like: torch.Tensor | None = None, op: str | None = None) -> None:
+    """``t`` is a CUDA tensor (on ``like``'s device when given) whose memory
+    a kernel can read as it is.  Refused besides: a meta tensor, and a
+    FakeTensor outside compile-only mode and tracing (a user's
+    FakeTensorMode), which have no memory (a launch would read address 0);
+    a negated view (``torch._neg_view``, the imaginary part of a conjugate
+    view), whose memory holds the values before the negation.  A conjugate
+    view is complex, a dtype no op takes.  ``op`` names the call in these
+    errors."""
+    if not t.is_cuda:
+        if t.is_meta:
+            raise ValueError(_no_memory(name, "a meta tensor", op))
+        raise ValueError(f"{name} must be on a CUDA device, got {t.device}")
+    if like is not None and t.get_device() != like.get_device():
+        raise ValueError(f"{name} is on {t.device} but the input is on {like.device}")
+    if torch.compiler.is_dynamo_compiling():
+        return  # traced on fake tensors; is_neg would break the graph
+    fake = type(t) not in _PLAIN and isinstance(t, _FakeTensor)
+    if fake and not (torch.compiler.is_compiling() or is_compile_only()):
+        raise ValueError(_no_memory(name, "a FakeTensor", op))
+    if t.is_neg():
+        raise ValueError(
+            f"{_called(op)}{name} is a negated view (is_neg()): its memory holds the values before the negation, "
+            f"which a kernel would read; pass {name}.resolve_neg()"
+        )
+
+
+def _called(op: str | None) -> str:
+    return f"{op}: " if op else ""
+
+
+def _no_memory(name: str, what: str, op: str | None) -> str:
+    return (
+        f"{_called(op)}{name} is {what}, which has no memory to launch a kernel on: pass real CUDA tensors, or "
+        "call the op inside quack.compile_only.compile_only_mode() to compile and export its kernels from fake "
+        "tensors (nothing launches there)"
+    )
+
+
+def check_contiguous(name: str, t: torch.Tensor) -> None:
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous (got strides {tuple(t.stride())})")
+
+
+def check_param(name: str, t: torch.Tensor | None, x: torch.Tensor) -> None:
+    """A norm's (N,) parameter (weight, bias), if given: fp32 or x's dtype,
+    contiguous, on x's device."""
+    if t is None:
+        return
+    check_float(name, t, (torch.float32, x.dtype))
+    check_cuda(name, t, x)
+    check_contiguous(name, t)
+    if tuple(t.shape) != (x.shape[-1],):
+        raise ValueError(f"{name} must have shape ({x.shape[-1]},), got {tuple(t.shape)}")
+
+
+def check_rows(name: str, m: int) -> None:
+    """At most ``MAX_ROWS`` rows: the kernels index rows with 32-bit integers."""
+    if m > MAX_ROWS:
+        raise ValueError(f"{name} has {m} rows; the kernels index rows with 32 bits (at most 2^31 - 2^16 rows)")
+
+
+def arch_capability(arch: str) -> tuple[int, int]:
+    """(major, minor) of an arch string: "sm_90a" -> (9, 0), "sm_100a" -> (10, 0)."""
+    digits = arch.removeprefix("sm_").rstrip("abf")
+    if not digits.isdigit() or len(digits) < 2:
+        raise ValueError(f"not a GPU arch: {arch!r} (expected sm_XY, e.g. sm_90a)")
+    return int(digits[:-1]), int(digits[-1])
+
+
+_CAPABILITIES: dict[int, tuple[int, int]] = {}
+
+
+def _capability(index: int) -> tuple[int, int]:
+    """(major, minor) compute capability of GPU ``index``, asked once."""
+    cc = _CAPABILITIES.get(index)
+    if cc is None:
+        cc = _CAPABILITIES[index] = tuple(torch.cuda.get_device_capability(index))
+    return cc
+
+
+def check_arch(op: str, device: torch.device, needs: str, minimum: tuple[int, int], maximum=None) -> None:
+    """Refuse, before any compile or launch, a GPU the op's kernels cannot run
+    on: compute capability below ``minimum`` or above ``maximum``.  In
+    compile-only mode the GPU is the compile target (``QUACK_ARCH``).  Skipped
+    while torch.compile traces (Dynamo cannot trace the driver query): the
+    eager call or compile-only warming of the same op checks."""
+    if torch.compiler.is_compiling():
+        return
+    if is_compile_only():
+        from quack.cache import current_arch
+
+        arch = current_arch()
+        capability = arch_capability(arch)
+    else:
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        capability = _capability(index)
+    if capability >= minimum and (maximum is None or capability <= maximum):
+        return
+    if is_compile_only():
+        where = f"the compile target QUACK_ARCH={arch}"
+    else:
+        where = f"cuda:{index} ({torch.cuda.get_device_name(index)}) is sm_{capability[0]}{capability[1]}"
+    raise ValueError(f"{op} needs {needs}; {where}")
+
+
+def check_row_input(op: str, name: str, x: torch.Tensor, max_n: int) -> None:
+    """The (..., N) input of a row-wise op: a contiguous float CUDA tensor,
+    1 <= N <= ``max_n``, at most ``MAX_ROWS`` rows, on an sm_90 or newer GPU
+    (the kernels use thread block clusters, DSMEM and mbarriers)."""
+    check_float(name, x)
+    check_cuda(name, x, op=op)
+    check_contiguous(name, x)
+    if x.dim() < 1 or x.shape[-1] == 0:
+        raise ValueError(f"{name} must have shape (..., N) with N >= 1, got {tuple(x.shape)}")
+    n = x.shape[-1]
+    if n > max_n:
+        raise ValueError(f"N = {n} is larger than the supported {max_n}")
+    check_rows(name, x.numel() // n)
+    check_arch(op, x.device, "an sm_90 (Hopper) or newer GPU (its kernels use thread block clusters)", (9, 0))
+
+
+def partial_rows(rows: int, n: int, device: torch.device, m: int) -> torch.Tensor:
+    """The fp32 (rows, N) buffer of a persistent backward's partial sums over
+    M rows: left uninitialised when the kernel runs (its launch writes every
+    one of the rows), zeros when it does not (M = 0)."""
+    allocate = torch.empty if m > 0 else torch.zeros
+    return allocate(rows, n, device=device, dtype=torch.float32)
+
+
+def sum_partial_rows(partial: torch.Tensor | None, out: torch.Tensor | None) -> None:
+    """out = the column sums of ``partial``, in out's dtype (nothing if None).
+    Skipped in compile-only mode: nothing was launched, and CPU-only torch
+    cannot convert fake CUDA tensors."""
+    if partial is None or is_compile_only():
+        return
+    if out.dtype == torch.float32:
+        torch.sum(partial, 0, out=out)
+    else:
+        out.copy_(partial.sum(0))

@@ -1,0 +1,343 @@
+"""Compile-only mode: run kernel calls on fake tensors so each kernel is compiled and
+exported to the persistent cache while nothing launches and no GPU memory is used.
+
+Inside :func:`compile_only_mode`, every tensor is a ``FakeTensor``; a ``@cute_op``
+op's fake implementation derives the key and calls its ``jit_cache`` compile
+function, which exports the object and hands back a no-op launch. ``.item()``,
+``.tolist()``, ``int(t)`` and ``float(t)`` return the sentinels ``1`` / ``1.0``
+(``False`` for a bool) so test setup that reads tensor values (``total_m =
+seq_lens.sum().item()``) still reaches the kernel; the keys never depend on
+those values because batch dimensions are symbolic.
+
+On a CUDA build of torch (it needs no GPU) the mode also makes the process
+look like a GPU machine of the compile target to code on fake tensors:
+autograd's backward passes, ``torch.compile``, ``Module.cuda()``, autocast
+and ``torch.cuda``'s queries work as on the GPU (``quack.compile_only_gpu``,
+``quack.compile_only_autograd``).  On a CPU-only build autograd on fake CUDA
+tensors is refused with an error saying so (it would abort the process).
+
+Scope: the depth counter is a ``ContextVar`` (``quack.cache._COMPILE_ONLY_DEPTH``),
+so it is per thread and per asyncio task, but torch's ``FakeTensorMode`` sits on a
+per-*thread* mode stack. While compile-only mode is active in one task, do not run
+real GPU work in another asyncio task of the same thread: its tensors would be
+fake although ``is_compile_only()`` is false there.
+
+Driver-script use::
+
+    with compile_only_mode():
+        for shape in shapes:
+            my_kernel(*make_inputs(shape))  # exported, not launched
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from quack.cache import _COMPILE_ONLY_DEPTH
+from quack.compile_only.gpu import CUDA_BUILD, emulated
+
+__all__ = [
+    "CompileOnlyFakeTensorMode", "autograd_available", "compile_only_mode", "differentiable_outputs", "is_compile_only",
+    "requires_grad_for_warming", "warming_gradients",
+]
+
+# Small on purpose: test code that really depends on the value should fail
+# loudly under compile-only rather than pass with a conveniently aligned number.
+_INT_SENTINEL = 1
+_FLOAT_SENTINEL = 1.0
+
+
+# The ops behind .item(): under inference_mode aten.item reaches the modes undecomposed.
+_SCALAR_READS = (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default)
+
+
+class _ScalarSentinelMode(TorchDispatchMode):
+    """Answer ``aten._local_scalar_dense`` (the op behind ``.item()``) with a sentinel.
+
+    A separate dispatch mode rather than a ``FakeTensorMode`` subclass: it uses the
+    public ``__torch_dispatch__`` protocol and composes with any ``FakeTensorMode``
+    configuration. Every other op goes on down the stack to fake dispatch.
+
+    A bool reads False: the checks tests and training code make on values
+    ("is any gradient non-finite?", ``clip_grad_norm_(error_if_nonfinite=True)``)
+    then answer no, as on healthy GPU data.  torch.compile traces with this
+    mode off (``ignore_compile_internals``) and the compiled graph runs with
+    it on, higher-order operators included.
+    """
+
+    supports_higher_order_operators = True
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        # Only where compile-only can run what Dynamo captures (a CUDA build
+        # of torch, quack.compile_only.gpu); elsewhere Dynamo runs the frames
+        # eagerly.
+        return CUDA_BUILD
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in _SCALAR_READS:
+            dtype = args[0].dtype
+            if dtype == torch.bool:
+                return False
+            return _FLOAT_SENTINEL if dtype.is_floating_point else _INT_SENTINEL
+        return func(*args, **(kwargs or {}))
+
+
+class _NoDeviceFakeTensorMode(FakeTensorMode):
+    """A ``FakeTensorMode`` that never initialises a device, also while
+    ``torch.cuda.is_available()`` is claimed (``quack.compile_only_gpu``):
+    it keeps the fake CUDA device guard and makes factory outputs fake
+    without asking the (absent) driver."""
+
+    @property
+    def avoid_device_init(self) -> bool:
+        return True
+
+
+class CompileOnlyFakeTensorMode:
+    """A ``FakeTensorMode`` (built from ``**fake_kwargs``; it never
+    initialises a device) plus scalar sentinels."""
+
+    def __init__(self, **fake_kwargs: Any) -> None:
+        self.fake_mode = _NoDeviceFakeTensorMode(**fake_kwargs)
+        self._sentinels = _ScalarSentinelMode()
+
+    def __enter__(self) -> "CompileOnlyFakeTensorMode":
+        self.fake_mode.__enter__()
+        try:
+            self._sentinels.__enter__()
+        except BaseException:
+            self.fake_mode.__exit__(None, None, None)
+            raise
+        return self
+
+    def __exit__(self, exc_type, exc_val, exc_tb) -> None:
+        # LIFO: the sentinel mode was pushed last.
+        try:
+            self._sentinels.__exit__(exc_type, exc_val, exc_tb)
+        finally:
+            self.fake_mode.__exit__(exc_type, exc_val, exc_tb)
+
+
+@contextlib.contextmanager
+def compile_only_mode() -> Iterator[CompileOnlyFakeTensorMode]:
+    """Enter compile-only mode; yields the active :class:`CompileOnlyFakeTensorMode`.
+
+    The depth is pushed with a token and reset to exactly its prior value on exit,
+    also when the block raises, so nested regions never leak ``False`` (or
+    ``True``) to the enclosing scope.
+    """
+    token = _COMPILE_ONLY_DEPTH.set(_COMPILE_ONLY_DEPTH.get() + 1)
+    try:
+        with emulated(), CompileOnlyFakeTensorMode() as mode:
+            yield mode
+    except RuntimeError as err:
+        # torch's message may list every frame the block ran: cut to its
+        # first lines, where the frames of the error stay (its traceback).
+        message = str(err)
+        if _NO_CUDA_GUARD in message:
+            hinted = f"{_first_lines(message)}. {_NO_CUDA_GUARD_HINT}"
+        elif _NO_COMPILED_FRAMES in message:
+            hinted = f"{_FULLGRAPH_HINT}\n{_first_lines(message)}"
+        else:
+            raise
+        raise RuntimeError(hinted).with_traceback(err.__traceback__) from None
+    finally:
+        _COMPILE_ONLY_DEPTH.reset(token)
+
+
+def _first_lines(text: str, lines: int = 12, chars: int = 4000) -> str:
+    """``text`` cut to its first ``lines`` lines and ``chars`` characters, saying what was left out."""
+    kept = text[:chars].split("\n")[:lines]
+    left = text.count("\n") + 1 - len(kept)
+    cut = "\n".join(kept)
+    return cut if len(cut) == len(text) else f"{cut}\n... ({left} more lines, {len(text) - len(cut)} characters, cut)"
+
+
+# A CPU-only build of torch has no CUDA device guard, which indexing, copy_,
+# .to("cuda") and contiguous() of a (fake) CUDA tensor ask for; a CUDA build has
+# one, which FakeTensor swaps for a no-op where no GPU is visible.
+_NO_CUDA_GUARD = "PyTorch is not linked with support for cuda devices"
+_NO_CUDA_GUARD_HINT = (
+    "Under compile-only mode a CPU-only build of torch cannot index, copy_, move (.to/.cuda) or make "
+    "contiguous a fake CUDA tensor: create tensors on the CUDA device directly and take views with "
+    "narrow/select/view/reshape, or run compile-only with a CUDA build of torch (it needs no GPU)."
+)
+
+
+# On a CPU-only build of torch Dynamo does not trace under compile-only
+# mode's dispatch modes (the scalar sentinels claim to be ignorable only
+# where the captured graph can run, a CUDA build): every frame of a
+# torch.compile'd function runs eagerly (its kernels are warmed all the
+# same), and with fullgraph=True torch then raises, listing each frame it
+# skipped.
+_NO_COMPILED_FRAMES = "torch.compile with fullgraph=True found no compiled frames"
+_FULLGRAPH_HINT = (
+    "torch.compile(fullgraph=True) cannot trace inside compile-only mode: Dynamo does not trace under its "
+    "dispatch modes with a CPU-only build of torch, so the function ran eagerly (its kernels were warmed) and "
+    "fullgraph=True refused that. Run compile-only with the CUDA build of torch (it needs no GPU), or call the "
+    "function itself, or compile it without fullgraph=True. torch's message:"
+)
+
+
+def autograd_available() -> bool:
+    """Can a call build an autograd graph here?  Always, but in compile-only
+    mode on a CPU-only build of torch, which aborts on the first graph node
+    of a fake CUDA tensor: there the ops warm their backward kernels at the
+    forward and return outputs without a graph (``differentiable_outputs``,
+    ``warming_gradients``).  On a CUDA build, backward passes are walked in
+    Python (``quack.compile_only_autograd``) and the ops keep their GPU path."""
+    return CUDA_BUILD or not is_compile_only()
+
+
+def is_compile_only() -> bool:
+    """Whether compile-only mode is active here (live; safe at any call site).
+
+    Prefer it to ``from quack.cache import COMPILE_ONLY``, which copies the value
+    once at import time.  False while torch.compile traces: the ops then go
+    through the registered custom ops, and Dynamo cannot trace ``ContextVar.get``.
+    """
+    return not torch.compiler.is_compiling() and _COMPILE_ONLY_DEPTH.get() > 0
+
+
+# The attribute that marks a tensor as requiring grad while warming: autograd's flag without
+# autograd (a real ``requires_grad`` on a fake CUDA tensor lets a graph be built, which aborts).
+_WANTS_GRAD = "_quack_wants_grad"
+_FLAG = torch.Tensor.requires_grad  # the descriptor: its __get__ and __set__ reach the mode
+# Calls whose outputs never require grad, whatever their inputs (besides ``*_like`` and
+# ``new_*`` factories, and outputs that are not floating point).
+_DETACHING = {"detach", "detach_", "tensor"}
+# Calls whose outputs pair one-to-one with their tensor inputs.
+_ELEMENTWISE_OUTPUTS = {"broadcast_tensors", "meshgrid", "atleast_1d", "atleast_2d", "atleast_3d"}
+
+
+class _GradientsWithoutGraph(TorchFunctionMode):
+    """Autograd's bookkeeping without its graph.  Every torch call runs under
+    ``torch.no_grad()``, and its floating-point outputs are marked as requiring
+    grad where autograd would have made them so: grad mode on *as the caller
+    set it* (its ``torch.no_grad()`` and ``inference_mode`` blocks included)
+    and some data input requiring grad (not a ``*_as``/``to`` template, not an
+    ``out=`` buffer); an in-place call marks the tensor it writes and, for a
+    view, its base (which every view of it reads).  ``Tensor.requires_grad``
+    reads (and ``requires_grad_`` and the setter write) the mark, so each op
+    decides its plan (``torch_interop.will_backward``) as on the GPU; quack's
+    ops mark their own outputs (``differentiable_outputs``)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        owner = getattr(func, "__self__", None)
+        if owner is _FLAG:
+            if name == "__get__":
+                return _requires_grad(args[0])
+            return _mark(args[0], bool(args[1]))  # the setter
+        if name == "requires_grad_":
+            return _mark(args[0], bool(args[1]) if len(args) > 1 else kwargs.get("requires_grad", True))
+        if func is torch._C._set_grad_enabled:
+            # The caller's grad mode (no_grad, enable_grad): run it as is, not
+            # inside the no_grad below, whose exit would undo it.
+            return func(*args, **kwargs)
+        grad_on = torch.is_grad_enabled()
+        with torch.no_grad():
+            out = func(*args, **kwargs)
+        if name == "detach_":
+            _mark(args[0], False)
+        if not grad_on or name in _DETACHING or name.endswith("_like") or name.startswith("new_"):
+            return out
+        inputs = _data_inputs(name, args, kwargs)
+        if owner is torch.Tensor.data or not any(_requires_grad(t) for t in inputs):
+            return out
+        if name in _ELEMENTWISE_OUTPUTS and len(_tensors(out)) == len(inputs):
+            _mark_differentiable([t for t, i in zip(_tensors(out), inputs) if _requires_grad(i)])
+            return out
+        written = [args[0]] if name == "__setitem__" or (name.endswith("_") and not name.startswith("_")) else []
+        _mark_differentiable(_tensors(out) + written + [t._base for t in written if t._base is not None])
+        return out
+
+
+def _data_inputs(name: str, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """The tensors a call's result is computed from: for ``x.view_as(t)``,
+    ``x.to(t)`` and the like only ``x`` (``t`` gives a shape or a dtype);
+    never an ``out=`` buffer."""
+    if name.endswith("_as") or name in ("to", "type"):
+        return _tensors(args[:1])
+    return _tensors((args, {k: v for k, v in kwargs.items() if k != "out"}))
+
+
+def _requires_grad(t: torch.Tensor) -> bool:
+    """The flag or the mark; a view also follows its base (written in place after the view was taken)."""
+    if _FLAG.__get__(t) or getattr(t, _WANTS_GRAD, False):
+        return True
+    base = t._base
+    return base is not None and getattr(base, _WANTS_GRAD, False)
+
+
+def _mark(t: torch.Tensor, wanted: bool) -> torch.Tensor:
+    """``t.requires_grad_(wanted)`` as a mark: the real flag is only ever cleared."""
+    if wanted and not (t.is_floating_point() or t.is_complex()):
+        raise RuntimeError("only Tensors of floating point and complex dtype can require gradients")
+    setattr(t, _WANTS_GRAD, wanted)
+    if not wanted and _FLAG.__get__(t):
+        _FLAG.__set__(t, False)
+    return t
+
+
+def _mark_differentiable(tensors: list[torch.Tensor]) -> None:
+    for t in tensors:
+        if t.is_floating_point() or t.is_complex():
+            setattr(t, _WANTS_GRAD, True)
+
+
+def _tensors(tree) -> list[torch.Tensor]:
+    return [t for t in tree_leaves(tree) if isinstance(t, torch.Tensor)]
+
+
+def differentiable_outputs(outputs, backward: bool):
+    """An op's outputs as autograd would hand them on: in compile-only mode
+    an op whose call will run a backward (``backward``, its plan's) runs its
+    forward without a graph, so its floating-point outputs are marked as
+    requiring grad here; a later op of the same differentiated function
+    (``warming_gradients``) then decides its plan as on the GPU."""
+    if backward and not autograd_available():
+        _mark_differentiable(_tensors(outputs))
+    return outputs
+
+
+def requires_grad_for_warming(t: torch.Tensor) -> torch.Tensor:
+    """A leaf that will be differentiated, for ``warming_gradients``: marked,
+    not flagged (no graph can then be built on it, even by code the mode does
+    not see, such as a custom ``torch.autograd.Function``)."""
+    t = t.detach()
+    setattr(t, _WANTS_GRAD, True)
+    return t
+
+
+@contextlib.contextmanager
+def warming_gradients() -> Iterator[None]:
+    """Compile-only mode: stand in for autograd around calls that will be
+    differentiated (``quack.testing.autograd.vjp``, the matrix's ``warm``).
+
+    Mark the leaves to differentiate with ``requires_grad_for_warming``; grad
+    mode is the caller's.  Nothing builds a graph, but every op sees which of
+    its inputs would require grad (``_GradientsWithoutGraph``) and warms the
+    kernels the real call and its backward run: the training plan, or the
+    inference one inside a ``torch.no_grad()`` block of the differentiated
+    function.  Parameters (``requires_grad`` really set) reach only torch
+    calls here, which run without a graph; a custom ``torch.autograd.Function``
+    applied to one would build a graph on fake CUDA tensors, which aborts.
+
+    Known limits: the outputs of a custom ``torch.autograd.Function`` of the
+    caller's are not marked (its ``apply`` is not a torch call the mode sees;
+    quack's own ops mark theirs), so a quack op fed only by one warms its
+    inference plan; and calls autograd would refuse (``out=`` with an input
+    that requires grad, ``requires_grad_(False)`` on a computed tensor) are
+    let through."""
+    with _GradientsWithoutGraph():
+        yield

@@ -1,0 +1,462 @@
+"""Cross-entropy as a cached, torch-callable op:
+``quack.cross_entropy(logits, target, ignore_index=-100, reduction="mean")``.
+
+    loss[i] = logsumexp(logits[i]) - logits[i, target[i]]
+
+over the last dimension of the logits (shape (..., N), N up to 262144,
+float32/float16/bfloat16; target of shape (...), int32 or int64), reduced
+like ``torch.nn.functional.cross_entropy``: "mean" over the rows whose target
+is not ``ignore_index``, "sum", or "none" (per-row losses, 0 for ignored rows).
+Autograd gives the gradient of the logits.
+
+Targets outside [0, N) that are not ``ignore_index`` are never read out of
+bounds: the kernel gives that row a NaN loss (and NaN gradients).  Checking
+mode raises instead: ``check_targets=True``, or ``QUACK_CHECK_TARGETS=1`` in
+the environment, makes the call validate the targets first and raise a
+ValueError naming the first bad row (this reads the targets back to the host,
+a synchronisation, so it is off by default).
+
+The kernels live in ``quack/families/cross_entropy/kernels.py``; this file holds the
+cached compile functions (their arguments are the object key), the
+``@cute_op`` ops, the allocating wrappers, the autograd Function, the public
+function and the fp32 reference ``cross_entropy_ref`` that tests import.
+
+Test: ``pytest tests/test_cross_entropy.py``; benchmark:
+``python tools/bench/cross_entropy.py``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import ClassVar, Optional
+
+import torch
+
+from quack.calls import torch_interop as ti
+from quack.cache import compile_options, jit_cache
+from quack.calls import fastpath
+from quack.compile_only import autograd_available, differentiable_outputs, is_compile_only
+from quack.calls.cute_op import cute_op
+from quack.calls.plan import Kernel, Plan, Signature, blame, fake_tensor, plan_for, signature
+from quack.rowwise.config import RowConfig, forward_config
+
+MAX_N = 262144
+REDUCTIONS = ("mean", "sum", "none")
+
+
+def _reduction_code(reduction) -> int:
+    """The reduction as the fast path's key spells it (-1: one the checks refuse)."""
+    return REDUCTIONS.index(reduction) if isinstance(reduction, str) and reduction in REDUCTIONS else -1
+TARGET_DTYPES = (torch.int32, torch.int64)
+# Environment switch for target checking (see the module docstring).
+CHECK_TARGETS_ENV = "QUACK_CHECK_TARGETS"
+# The forward holds x and its exponentials in registers, as the softmax
+# forward does (rowwise.forward_config).  Backward: values per thread of one column tile (no reduction, so tiles are
+# independent CTAs; small tiles keep many loads in flight).
+BACKWARD_VALUES_PER_THREAD = 32
+BACKWARD_THREADS = 256
+
+
+
+def backward_config(n: int, vec: int) -> RowConfig:
+    """Column tiles of at most ``BACKWARD_VALUES_PER_THREAD`` values per
+    thread; ``cluster_n`` is the number of column tiles (grid y, no cluster)."""
+    threads = BACKWARD_THREADS
+    threads_per_row = min(threads, max(8, 1 << max(0, (math.ceil(n / 32) - 1).bit_length())))
+    tiles = math.ceil(n / (threads_per_row * BACKWARD_VALUES_PER_THREAD))
+    # Every tile must own at least one vector per thread, or tiles overlap.
+    while tiles > 1 and threads_per_row * tiles * vec > n:
+        tiles -= 1
+    return RowConfig(n, vec, threads, threads_per_row, tiles)
+
+
+# This op's eager fast path (quack/calls/fastpath.py).
+_FAST = fastpath.Closures()
+
+
+def _cute_int(name: str):
+    """The CuTe DSL integer type of a target dtype name (compile time only)."""
+    import cutlass
+
+    return {"int32": cutlass.Int32, "int64": cutlass.Int64}[name]
+
+
+@jit_cache("cross_entropy")
+def compile_cross_entropy_fwd(dtype: str, target_dtype: str, n: int, vec: int, reduction: str, backward: bool):
+    """Compile the forward kernel for one static specialisation (M is symbolic).
+    ``reduction`` "mean"/"sum": the kernel also reduces the row losses (to one
+    value of the logits' dtype) and, for a ``backward``, writes the fp32
+    (sum, count); "none" writes the rows only.  ``backward``: store lse."""
+    import cutlass.cute as cute
+    from cutlass import Float32, Int32
+
+    from quack.rowwise import device as rowwise
+    from quack.families.cross_entropy.kernels import CrossEntropyForward
+
+    dt = ti.cute_dtype(dtype)
+    cfg = forward_config(n, vec)
+    m = cute.sym_int()
+    reducing = reduction != "none"
+    lse = rowwise.fake_vector(Float32, m) if backward else None
+    out = rowwise.fake_vector(dt, 1) if reducing else None
+    stats = rowwise.fake_vector(Float32, 2) if reducing and backward else None
+    counter = rowwise.fake_vector(Int32, 1) if reducing else None
+    return cute.compile(
+        CrossEntropyForward(cfg, reduction if reducing else None), rowwise.fake_rows(dt, m, n, vec),
+        rowwise.fake_vector(_cute_int(target_dtype), m), rowwise.fake_vector(Float32, m), lse, out, stats, counter,
+        Int32(-100), cute.runtime.make_fake_stream(), options=compile_options(),
+    )
+
+
+@jit_cache("cross_entropy")
+def compile_cross_entropy_bwd(dtype: str, target_dtype: str, n: int, vec: int):
+    """Compile the backward kernel (the logits and their gradient share a dtype)."""
+    import cutlass.cute as cute
+    from cutlass import Float32, Int32
+
+    from quack.rowwise import device as rowwise
+    from quack.families.cross_entropy.kernels import CrossEntropyBackward
+
+    dt = ti.cute_dtype(dtype)
+    cfg = backward_config(n, vec)
+    m = cute.sym_int()
+    return cute.compile(
+        CrossEntropyBackward(cfg), rowwise.fake_rows(dt, m, n, vec),
+        rowwise.fake_vector(_cute_int(target_dtype), m), rowwise.fake_vector(Float32, m),
+        rowwise.fake_vector(Float32, m), rowwise.fake_rows(dt, m, n, vec), Int32(-100),
+        cute.runtime.make_fake_stream(), options=compile_options(),
+    )
+
+
+@signature
+class CrossEntropyCall(Signature):
+    """What decides a ``quack.cross_entropy`` call's kernels: the logits'
+    dtype, the target's, N, the vector width of the logits' rows (the
+    backward reads the same rows), the reduction (done by the forward
+    kernel) and whether a backward will run."""
+
+    OP: ClassVar[str] = "cross_entropy"
+    dtype: str
+    target_dtype: str
+    n: int
+    vec: int
+    reduction: str
+    backward: bool
+
+    def kernels(self):
+        args = (self.dtype, self.target_dtype, self.n, self.vec)
+        forward = Kernel(compile_cross_entropy_fwd, (*args, self.reduction, self.backward))
+        if not self.backward:
+            return (("forward", forward),)
+        return (("forward", forward), ("backward", Kernel(compile_cross_entropy_bwd, args)))
+
+    def rebuild(self) -> "CrossEntropyCall":
+        """The op's checks and signature of a call on one row of N (``plan.from_entry``):
+        the logits ``vec`` elements into their storage below the full vector
+        width (their alignment then gives that width)."""
+        target = fake_tensor(self, "target_dtype", (1,))
+        with blame(self, "target_dtype"):
+            ti.check_float("target", target, TARGET_DTYPES)
+        with blame(self, "dtype"):
+            _validate(fake_tensor(self, "dtype", (1, 1)), target, -100, "none")
+        with blame(self, "n"):
+            _validate(fake_tensor(self, "dtype", (1, self.n)), target, -100, "none")
+        with blame(self, "reduction"):
+            _validate(fake_tensor(self, "dtype", (1, self.n)), target, -100, self.reduction)
+        offset = self.vec if 0 < self.vec < ti.full_width(self.n, self.dtype) else 0
+        logits = fake_tensor(self, "dtype", (1, self.n), offset)
+        return call_signature(logits, target, self.reduction, self.backward)
+
+
+def call_signature(logits, target, reduction: str, backward: bool) -> CrossEntropyCall:
+    """The signature of a call on these tensors (the vector width from the logits' alignment)."""
+    n = logits.shape[-1]
+    return CrossEntropyCall(
+        ti.dtype_name(logits.dtype), ti.dtype_name(target.dtype), n, ti.vector_width(n, logits), reduction, backward
+    )
+
+
+def _launch_fwd(plan: Plan, logits, target, loss, lse, out, stats, ignore_index, shared_scratch: bool = True) -> None:
+    """``loss`` None with a reduction: the row losses go to scratch
+    (``reduction_scratch``; the stream's own where ``shared_scratch``)."""
+    counter = None
+    if out is not None:
+        counter, loss = reduction_scratch(logits.device, logits.shape[0], shared_scratch)
+    plan.kernel("forward")(logits, target, loss, lse, out, stats, counter, ignore_index,
+                           ti.current_stream(logits.device))
+
+
+def _launch_bwd(plan: Plan, logits, target, lse, dloss, dx, ignore_index) -> None:
+    plan.kernel("backward")(logits, target, lse, dloss, dx, ignore_index, ti.current_stream(logits.device))
+
+
+# The registered ops, which torch.compile's graphs call: each takes its
+# plan from its own (real) tensors.
+@cute_op("quack::cross_entropy_fwd", mutates_args=("loss", "lse", "out", "stats"))
+def _cross_entropy_fwd(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    loss: Optional[torch.Tensor],
+    lse: Optional[torch.Tensor],
+    out: Optional[torch.Tensor],
+    stats: Optional[torch.Tensor],
+    ignore_index: int,
+    reduction: str,
+) -> None:
+    """Launch the forward kernel: (M, N) logits, (M,) target, the (M,) row
+    losses (None for a reduction: they go to scratch), lse for a backward,
+    and for a reduction its (1,) result and, for a backward, its fp32 (sum,
+    count)."""
+    plan = plan_for(call_signature(logits, target, reduction, lse is not None))
+    # Fresh scratch: a compiled graph may run this in a CUDA graph's memory
+    # pool (reduce-overhead), which must not hold the stream's shared scratch.
+    _launch_fwd(plan, logits, target, loss, lse, out, stats, ignore_index, shared_scratch=False)
+
+
+@cute_op("quack::cross_entropy_bwd", mutates_args=("dx",))
+def _cross_entropy_bwd(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    lse: torch.Tensor,
+    dloss: torch.Tensor,
+    dx: torch.Tensor,
+    ignore_index: int,
+    reduction: str,
+) -> None:
+    """Launch the backward kernel: dloss is the (M,) fp32 gradient of each
+    row's loss (``reduction``: the forward's, for the call's plan)."""
+    plan = plan_for(call_signature(logits, target, reduction, True))
+    _launch_bwd(plan, logits, target, lse, dloss, dx, ignore_index)
+
+
+def _validate(logits, target, ignore_index, reduction) -> None:
+    ti.check_row_input("quack.cross_entropy", "logits", logits, MAX_N)
+    ti.check_float("target", target, TARGET_DTYPES)
+    ti.check_cuda("target", target, logits)
+    if tuple(target.shape) != tuple(logits.shape[:-1]):
+        raise ValueError(
+            f"target must have shape {tuple(logits.shape[:-1])} (the logits' leading dims), "
+            f"got {tuple(target.shape)}"
+        )
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+        raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
+    if not -(2**31) <= ignore_index < 2**31:
+        raise ValueError(f"ignore_index {ignore_index} does not fit in 32 bits")
+
+
+def check_targets_in_range(target: torch.Tensor, n: int, ignore_index: int) -> None:
+    """Raise ValueError naming the first row whose target is outside [0, N) and
+    not ``ignore_index``.  Reads the targets back to the host (synchronises)."""
+    flat = target.reshape(-1)
+    bad = (flat != ignore_index) & ((flat < 0) | (flat >= n))
+    if bool(bad.any()):
+        row = int(bad.nonzero()[0, 0])
+        raise ValueError(
+            f"target[{row}] = {int(flat[row])} is outside [0, {n}) and is not "
+            f"ignore_index ({ignore_index})"
+        )
+
+
+def cross_entropy_fwd(logits, target, ignore_index: int = -100, reduction: str = "none", backward: bool = True,
+                      plan: Optional[Plan] = None):
+    """Allocate and run the forward: returns (loss, lse, reduced, stats).
+
+    loss: the (M,) fp32 row losses for reduction "none" (else None); lse:
+    (M,) fp32 for a ``backward``, else None; reduced: the ``reduction``
+    ("mean" or "sum") of the losses, done by the kernel, a 0-dim tensor of
+    the logits' dtype (None for "none");
+    stats: that reduction's fp32 (sum, count) for a backward.  ``plan``: the
+    call's (eager); None goes through the registered op (torch.compile,
+    direct use)."""
+    n, device = logits.shape[-1], logits.device
+    x2 = ti.as_rows(logits, n)
+    t1 = target.reshape(-1).contiguous()
+    m = x2.shape[0]
+    loss = torch.empty(m, device=device, dtype=torch.float32) if reduction == "none" else None
+    lse = torch.empty(m, device=device, dtype=torch.float32) if backward else None
+    reduced = stats = None
+    if reduction != "none":
+        reduced = torch.empty(1, device=device, dtype=logits.dtype)
+        stats = torch.empty(2, device=device, dtype=torch.float32) if backward else None
+    if m == 0:
+        if reduced is not None and not is_compile_only():
+            reduced.fill_(math.nan if reduction == "mean" else 0.0)  # as torch: the mean of no rows is NaN
+            if stats is not None:
+                stats.zero_()
+    else:
+        args = (x2, t1, loss, lse, reduced, stats, ignore_index)
+        _launch_fwd(plan, *args) if plan is not None else _cross_entropy_fwd(*args, reduction)
+    return loss, lse, reduced.view(()) if reduced is not None else None, stats
+
+
+_SCRATCH: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def reduction_scratch(device: torch.device, m: int, shared: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """(counter, rows) for a reducing forward of M rows: the zeroed int32
+    its CTAs take their tickets from (the last CTA zeroes it again) and the
+    (M,) fp32 room for the row losses it sums.  One pair per device and
+    stream, since launches on one stream run one after another (rows
+    reallocated when M changes; the caching allocator hands a freed block
+    only to later work of the same stream); fresh ones while a CUDA graph is
+    captured on the device's current stream (the graph's own), in
+    compile-only mode, and where not ``shared``.  A stream destroyed
+    with a reducing forward still queued must not be followed, before that
+    forward ends, by a new stream with the same handle on the same device
+    (torch's pooled streams never are)."""
+    if not shared or is_compile_only() or _capturing(device):
+        return torch.zeros(1, device=device, dtype=torch.int32), torch.empty(m, device=device, dtype=torch.float32)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    key = (index, torch._C._cuda_getCurrentRawStream(index))
+    scratch = _SCRATCH.get(key)
+    if scratch is None or scratch[1].shape[0] != m:
+        counter = scratch[0] if scratch is not None else torch.zeros(1, device=device, dtype=torch.int32)
+        scratch = _SCRATCH[key] = (counter, torch.empty(m, device=device, dtype=torch.float32))
+    return scratch
+
+
+def _capturing(device: torch.device) -> bool:
+    """Whether a CUDA graph is being captured on ``device``'s current stream."""
+    if device.index is None or device.index == torch.cuda.current_device():
+        return torch.cuda.is_current_stream_capturing()
+    with torch.cuda.device(device.index):
+        return torch.cuda.is_current_stream_capturing()
+
+
+def cross_entropy_bwd(logits, target, lse, dloss_rows, ignore_index: int = -100, reduction: str = "none",
+                      plan: Optional[Plan] = None):
+    """Allocate dlogits and run the backward op; ``dloss_rows`` is the (M,)
+    gradient of each row's loss (``reduction``: the forward's)."""
+    n = logits.shape[-1]
+    x2 = ti.as_rows(logits, n)
+    dx = torch.empty_like(logits)
+    if x2.shape[0] > 0:
+        args = (x2, target.reshape(-1).contiguous(), lse, dloss_rows.float().contiguous(), ti.as_rows(dx, n), ignore_index)
+        _launch_bwd(plan, *args) if plan is not None else _cross_entropy_bwd(*args, reduction)
+    return dx
+
+
+def _rows_out(loss, target, dtype):
+    """reduction="none": the fp32 row losses shaped like the target, in the logits' dtype."""
+    return loss.view(target.shape).to(dtype)
+
+
+def _row_grads(dloss, m, reduction, count):
+    """The (M,) fp32 gradient of each row's loss from the gradient of the output."""
+    if reduction == "none":
+        return dloss.reshape(m).float().contiguous()
+    g = dloss.float()
+    if reduction == "mean":
+        g = g / count
+    return g.expand(m).contiguous()
+
+
+class _CrossEntropyFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, target, ignore_index, reduction, plan):
+        # Kernels take plain tensors (DLPack refuses ones that require grad).
+        logits = logits.detach()
+        loss, lse, reduced, stats = cross_entropy_fwd(logits, target, ignore_index, reduction, True, plan)
+        ctx.plan = plan
+        out, count = (reduced, stats[1]) if reduced is not None else (_rows_out(loss, target, logits.dtype), None)
+        ctx.save_for_backward(logits, target, lse, count)
+        ctx.ignore_index, ctx.reduction = ignore_index, reduction
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        logits, target, lse, count = ctx.saved_tensors
+        g = _row_grads(dout, lse.shape[0], ctx.reduction, count)
+        dx = cross_entropy_bwd(logits, target, lse, g, ctx.ignore_index, ctx.reduction, ctx.plan)
+        return dx, None, None, None, None
+
+
+def _check_env() -> bool:
+    return os.environ.get(CHECK_TARGETS_ENV, "") not in ("", "0")
+
+
+def cross_entropy(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    check_targets: Optional[bool] = None,
+) -> torch.Tensor:
+    """Cross-entropy of ``logits`` (..., N) against class indices ``target`` (...).
+
+    logits: contiguous CUDA float32/float16/bfloat16, N <= 262144.  target:
+    int32/int64 on the same device.  ``reduction``: "mean" (over rows whose
+    target is not ``ignore_index``; NaN when there are none, as in torch),
+    "sum" or "none".  The result has the logits' dtype.  A target outside
+    [0, N) that is not ignore_index gives a NaN loss for its row; with
+    ``check_targets=True`` (default: the ``QUACK_CHECK_TARGETS`` environment
+    variable) the call raises a ValueError naming the row instead.  Raises
+    TypeError for a wrong dtype and ValueError for a wrong device, shape or
+    layout, before any launch.
+    """
+    if check_targets is None:
+        check_targets = _check_env()
+    described = None if check_targets else (logits, target, ignore_index, _reduction_code(reduction))
+    if described is not None:
+        loss = NotImplemented if fastpath.tracing() else _FAST.call(4, *described)
+        if loss is not NotImplemented:
+            return loss
+    _validate(logits, target, ignore_index, reduction)
+    compile_only = is_compile_only()
+    if check_targets and not compile_only:
+        check_targets_in_range(target, logits.shape[-1], ignore_index)
+    backward = ti.will_backward(logits)
+    # While torch.compile traces there are no addresses: the registered ops
+    # take their plans from the real tensors when the graph runs.
+    plan = None if torch.compiler.is_compiling() else plan_for(call_signature(logits, target, reduction, backward))
+    if compile_only:
+        # Export every kernel of the plan (the launches are no-ops), the
+        # backward's too; a graph is built where autograd can run.
+        plan.warm()
+        backward = backward and autograd_available()
+    if backward:
+        return _CrossEntropyFunction.apply(logits, target, ignore_index, reduction, plan)
+    with torch.no_grad():
+        loss, _, reduced, _ = cross_entropy_fwd(logits, target, ignore_index, reduction, False, plan)
+        loss = reduced if reduced is not None else _rows_out(loss, target, logits.dtype)
+    stores_for_backward = plan is not None and plan.signature.backward
+    if described is not None and reduced is not None and logits.numel() > 0 and not stores_for_backward:
+        _FAST.remember(described, lambda: _inference_closure(plan, logits, target))
+    return differentiable_outputs(loss, stores_for_backward)
+
+
+def _inference_closure(plan: Plan, logits: torch.Tensor, target: torch.Tensor):
+    """The eager fast path's launch for reducing calls like this one
+    (``quack/calls/fastpath.py``): the logits go to the kernel as rows, unviewed;
+    the 0-dim result as the kernel's one-element output (it reads only its
+    address)."""
+    launch = fastpath.direct(plan, "forward", logits.device, rows=frozenset((0,)))
+    if launch is None:
+        return None
+    m, dtype, device = logits.numel() // logits.shape[-1], logits.dtype, logits.device
+    flat_target = target.dim() == 1 and target.is_contiguous()
+    empty = torch.empty
+
+    def run(logits, target, ignore_index, _reduction):  # the key fixed the reduction
+        out = empty((), device=device, dtype=dtype)
+        t = target if flat_target else target.reshape(-1).contiguous()
+        counter, rows = reduction_scratch(device, m)
+        return out if launch(logits, t, rows, None, out, None, counter, ignore_index, None) is None else NotImplemented
+
+    return run
+
+
+def cross_entropy_ref(logits, target, ignore_index: int = -100, reduction: str = "mean"):
+    """fp32 reference with the same semantics (out-of-range targets not allowed),
+    rounded to the logits' dtype."""
+    n = logits.shape[-1]
+    loss = torch.nn.functional.cross_entropy(
+        logits.float().reshape(-1, n), target.reshape(-1).long(),
+        ignore_index=ignore_index, reduction=reduction,
+    )
+    if reduction == "none":
+        loss = loss.view(target.shape)
+    return loss.to(logits.dtype)

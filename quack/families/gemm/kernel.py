@@ -1,0 +1,747 @@
+"""The persistent Hopper GEMM kernel: D = A @ B, dense or variable-length M.
+
+Roles (384 threads, one CTA per SM): warpgroup 0 is the producer, one warp of
+which issues the TMA loads of A and B into a ring of shared-memory stages;
+warpgroups 1 and 2 consume the stages with WGMMA, each owning half of the
+tile's rows (cooperative), then run the epilogue: accumulators to 16-bit,
+``stmatrix`` into a swizzled shared buffer, one TMA store per 128x32 subtile.
+Clusters of two CTAs load a shared operand tile once and multicast it: along
+M they share B, along N they share A.
+
+Variable-length M (``cu_seqlens`` given): A is the packed (total_M, K) matrix
+and group g's rows ``cu[g]:cu[g+1]`` multiply ``B[g]``.  Tiles index group
+rows through a coordinate offset on the TMA tensors, so groups need no
+alignment.  The last tile of a group is moved up to end at the group's end
+(it recomputes rows of the tile before it), so TMA stores it whole; only a
+group shorter than one tile has rows past its end, which load the next
+group's rows (or zeros past total_M) and are masked out by a predicated copy.
+
+Variable-length K (``varlen_k``): A is (M, total_K), B (total_K, N) and D
+holds G stacked (M, N) products, group g contracting over ``cu[g]:cu[g+1]``
+(the weight gradient of a grouped GEMM).  Items are numbered group by group
+over the same M x N tiles; each loads its K range through coordinate offsets
+on the TMA tensors.  A TMA box must start 16-byte aligned along a contiguous
+dimension (an unaligned start is an illegal instruction), so where an
+operand is K-major a group's K range starts at its first column rounded
+down to a multiple of 8 (where both are M- and N-major, as in the weight
+gradient, it starts at the column itself); its first K tile then holds
+columns of the group before it and its last one columns of the group
+after: the consumers zero those columns of the A and B stages before the
+WGMMA.  An empty group's tiles run no K step and store zeros.
+
+Fused epilogue (``activation``, ``has_bias``): D = act(A @ B + bias), bias a
+vector of N added in fp32 (each tile's columns staged in shared memory while
+its main loop runs), the activation applied in fp32 before the one
+rounding; with a ``preact`` tensor the pre-activation A @ B + bias is stored
+too (what a backward needs), through the same shared-memory buffers.
+
+Gated epilogue (``activation`` one of ``GATED``): B's columns hold the gate
+and up projections interleaved (gate j at column 2j, up j at 2j + 1), and D
+has half of them: D[:, j] = act(gate j) * (up j), in fp32.  The accumulator
+layout gives each thread columns in adjacent pairs, so a thread holds each
+of its gate values beside its up value; the products of one 8-column chunk
+land on the four lanes of a quad one column each, where the half-width
+MMA's layout (the one the store path expects) wants two adjacent columns
+per lane: four shuffles within the quad move them there.  ``preact`` is the
+(M, 2N) product.
+
+Backward epilogues (``activation`` one of ``DERIVATIVES``, "d" + a name):
+``preact`` is an input, the pre-activation Z a forward saved, read at each
+value's own coordinates.  D = (A @ B) * act'(Z); for a gated one, A @ B is
+the gradient g of the gated output (M, N) and D (M, 2N) the gradients of the
+interleaved gate and up columns, g * up * act'(gate) and g * act(gate):
+each lane's D columns 2 j and 2 j + 1 need g_j from the lane holding it
+(two shuffles), D laid out as a double-width MMA's (tile_n at most 128).
+
+Nothing here depends on M, N, K or the number of groups: they are dynamic, so
+one compiled object serves every problem size (see ``quack/families/gemm/op.py``).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.tensor_utils as tensor_utils
+import cutlass.utils.hopper_helpers as sm90
+from cutlass import Int32, const_expr
+from cutlass.cute.nvgpu import cpasync, warp, warpgroup
+
+from quack.families.gemm.epilogue import parse_epilogue
+from quack.families.gemm.schedule import find_group, first_cursor, group_rows, tile_in_group
+from quack.families.gemm.threads import THREADS_PER_WARPGROUP, cta_threads
+
+PRODUCER_REGISTERS = 40
+CONSUMER_REGISTERS = 232
+TILE_K = 64
+EPILOGUE_N = 32  # columns per epilogue subtile
+EPILOGUE_BUFFERS = 4
+BARRIER_BYTES = 1024  # mbarriers, with the padding to the operands' 1024-byte alignment
+EPILOGUE_BARRIER_ID = 1
+ZERO_BARRIER_ID = 2
+K_ALIGN = 8  # varlen K: group K ranges start at multiples of 8 elements (16 bytes; see the module docstring)
+
+
+class HopperGemm:
+    """One compiled configuration: tile (``tile_m`` x ``tile_n`` x 64), cluster
+    (``cluster_m``, ``cluster_n``), raster band width, dense or varlen.  CTAs of a
+    cluster along M share (multicast) the B tile, along N the A tile.
+
+    Call arguments (all dims dynamic): ``a`` (M, K) K-contiguous, or (K, M)
+    M-contiguous when ``a_m_major`` (every tensor's unit stride is its last,
+    as the launcher's packing wants); ``b``
+    (L, K, N) N-contiguous when ``b_n_major`` else (L, N, K) K-contiguous;
+    ``d`` (M, N) N-contiguous; ``cu_seqlens`` (L + 1,) int32 or None (dense,
+    L = 1); ``max_clusters`` the number of clusters that fit on the device at
+    once.  With ``varlen_k``: L = 1, ``cu_seqlens`` (G + 1,) splits K, and
+    ``d`` is (G * M, N), the G products stacked.  ``bias`` (N,) or None;
+    ``preact`` like ``d`` or None (``ACTIVATIONS`` names the activations).
+    A gated ``activation`` (``GATED``) makes ``d`` (M, N / 2) and ``preact``
+    (M, N) for a B of N interleaved gate and up columns; a derivative
+    (``DERIVATIVES``) reads ``preact``, shaped like ``d``: (M, N), or (M, 2N)
+    for a gated one.
+    """
+
+    def __init__(self, tile_m: int, tile_n: int, cluster_m: int, cluster_n: int, band: int, a_m_major: bool,
+                 b_n_major: bool, varlen_k: bool = False, activation: Optional[str] = None):
+        self.activation, self.gated, self.derivative = parse_epilogue(activation)
+        self.tile_mnk = (tile_m, tile_n, TILE_K)
+        # D's columns per tile
+        self.out_tile_n = (2 * tile_n if self.derivative else tile_n // 2) if self.gated else tile_n
+        if self.out_tile_n > 256:
+            raise ValueError(f"a gated derivative's tile is at most 128 columns wide, got {tile_n}")
+        self.a_m_major = a_m_major
+        self.varlen_k = varlen_k
+        self.cluster_m = cluster_m
+        self.cluster_n = cluster_n
+        self.band = band
+        self.b_n_major = b_n_major
+        self.consumer_warpgroups = tile_m // 64
+        self.threads = cta_threads(tile_m)
+        self.consumer_threads = THREADS_PER_WARPGROUP * self.consumer_warpgroups
+        self.epi_tile = (tile_m, EPILOGUE_N)
+
+    # ---------------------------------------------------------------- host side
+    @cute.jit
+    def __call__(self, a: cute.Tensor, b: cute.Tensor, d: cute.Tensor, cu_seqlens: Optional[cute.Tensor],
+                 bias: Optional[cute.Tensor], preact: Optional[cute.Tensor], max_clusters: Int32,
+                 stream: cuda.CUstream):
+        # A as (M, K) and B as (N, K, L), the operand order of the MMA.
+        if const_expr(self.a_m_major):
+            a = cute.make_tensor(a.iterator, cute.select(a.layout, mode=[1, 0]))
+        b = cute.make_tensor(b.iterator, cute.select(b.layout, mode=[2, 1, 0] if self.b_n_major else [1, 2, 0]))
+        self.ab_dtype = a.element_type
+        self.d_dtype = d.element_type
+        a_major = tensor_utils.LayoutEnum.from_tensor(a)
+        b_major = tensor_utils.LayoutEnum.from_tensor(b)
+        self.d_major = tensor_utils.LayoutEnum.from_tensor(d)
+        tiled_mma = self._mma(a_major, b_major, self.tile_mnk[1])
+        # The layout of D's values in registers: the MMA's, or for a gated
+        # epilogue that of an MMA of half the width.
+        out_mma = self._mma(a_major, b_major, self.out_tile_n) if const_expr(self.gated) else tiled_mma
+        self.stages = self._stages()
+        sa_layout = self._operand_smem_layout(a_major, self.tile_mnk[0])
+        sb_layout = self._operand_smem_layout(b_major, self.tile_mnk[1])
+        sd_layout = self._epilogue_smem_layout()
+
+        tma_a, ta = cpasync.make_tiled_tma_atom(
+            _load_op(self.cluster_n), a, cute.slice_(sa_layout, (None, None, 0)), (self.tile_mnk[0], TILE_K),
+            num_multicast=self.cluster_n,
+        )
+        tma_b, tb = cpasync.make_tiled_tma_atom(
+            _load_op(self.cluster_m), b, cute.slice_(sb_layout, (None, None, 0)), (self.tile_mnk[1], TILE_K),
+            num_multicast=self.cluster_m,
+        )
+        tma_d, td = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileS2GOp(), d, cute.slice_(sd_layout, (None, None, 0)), self.epi_tile
+        )
+        tma_p, tp = None, None
+        if const_expr(preact is not None and not self.derivative):
+            tma_p, tp = cpasync.make_tiled_tma_atom(
+                cpasync.CopyBulkTensorTileS2GOp(), preact, cute.slice_(sd_layout, (None, None, 0)), self.epi_tile
+            )
+
+        @cute.struct
+        class SharedStorage:
+            barriers: cute.struct.MemRange[cutlass.Int64, self.stages * 2]
+            sa: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(sa_layout)], 1024]
+            sb: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(sb_layout)], 1024]
+            sd: cute.struct.Align[cute.struct.MemRange[self.d_dtype, cute.cosize(sd_layout)], 1024]
+            sbias: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, self.tile_mnk[1]], 16]
+
+        self.shared_storage = SharedStorage
+
+        cluster_rows = self.tile_mnk[0] * self.cluster_m
+        cluster_cols = self.tile_mnk[1] * self.cluster_n
+        n_clusters = (b.shape[0] + (cluster_cols - 1)) // cluster_cols
+        num_groups = b.shape[2]
+        # Work items: exact for dense; for varlen every group may end in a partial cluster.
+        m_bound = (a.shape[0] + (cluster_rows - 1)) // cluster_rows
+        if const_expr(self.varlen_k):
+            num_groups = cu_seqlens.shape[0] - 1
+            m_bound = m_bound * num_groups
+        elif const_expr(cu_seqlens is not None):
+            m_bound = (a.shape[0] + num_groups * (cluster_rows - 1)) // cluster_rows
+        clusters = cutlass.max(cutlass.min(m_bound * n_clusters, max_clusters), 1)
+        self.kernel(
+            tma_a, ta, tma_b, tb, tma_d, td, d, cu_seqlens, bias, tma_p, tp, preact, tiled_mma, out_mma, sa_layout,
+            sb_layout, sd_layout, n_clusters, num_groups,
+        ).launch(
+            grid=(self.cluster_m, self.cluster_n, clusters),
+            block=(self.threads, 1, 1),
+            cluster=(self.cluster_m, self.cluster_n, 1),
+            min_blocks_per_mp=1,
+            stream=stream,
+        )
+
+    def _mma(self, a_major, b_major, tile_n: int):
+        return sm90.make_trivial_tiled_mma(
+            self.ab_dtype, self.ab_dtype, a_major.sm90_mma_major_mode(), b_major.sm90_mma_major_mode(),
+            cutlass.Float32, (self.consumer_warpgroups, 1, 1), tiler_mn=(64, tile_n),
+        )
+
+    def _stages(self) -> int:
+        """A/B stages that fit beside the epilogue buffers and barriers."""
+        tile_m, tile_n, tile_k = self.tile_mnk
+        stage_bytes = (tile_m + tile_n) * tile_k * self.ab_dtype.width // 8
+        epi_bytes = EPILOGUE_BUFFERS * tile_m * EPILOGUE_N * self.d_dtype.width // 8
+        bias_bytes = tile_n * 4
+        capacity = cutlass.memory.get_smem_capacity_in_bytes("sm_90")
+        return (capacity - BARRIER_BYTES - epi_bytes - bias_bytes) // stage_bytes
+
+    def _operand_smem_layout(self, major: tensor_utils.LayoutEnum, rows: int):
+        """Swizzled (rows, 64, stages) layout shared by TMA and WGMMA."""
+        k_major = major.sm90_mma_major_mode() == cute.nvgpu.OperandMajorMode.K
+        atom = warpgroup.make_smem_layout_atom(
+            sm90.get_smem_layout_atom(major, self.ab_dtype, TILE_K if k_major else rows), self.ab_dtype
+        )
+        return cute.tile_to_shape(atom, (rows, TILE_K, self.stages), order=(0, 1, 2) if k_major else (1, 0, 2))
+
+    def _epilogue_smem_layout(self):
+        atom = warpgroup.make_smem_layout_atom(
+            sm90.get_smem_layout_atom(self.d_major, self.d_dtype, EPILOGUE_N), self.d_dtype
+        )
+        return cute.tile_to_shape(atom, (*self.epi_tile, EPILOGUE_BUFFERS), order=(0, 1, 2))
+
+    # -------------------------------------------------------------- device side
+    @cute.kernel
+    def kernel(self, tma_a: cute.CopyAtom, ta: cute.Tensor, tma_b: cute.CopyAtom, tb: cute.Tensor,
+               tma_d: cute.CopyAtom, td: cute.Tensor, d: cute.Tensor, cu_seqlens, bias, tma_p, tp, preact,
+               tiled_mma: cute.TiledMma, out_mma: cute.TiledMma, sa_layout: cute.ComposedLayout,
+               sb_layout: cute.ComposedLayout, sd_layout: cute.ComposedLayout, n_clusters: Int32,
+               num_groups: Int32):
+        tidx, _, _ = cute.arch.thread_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        if warp_idx == 0:
+            cpasync.prefetch_descriptor(tma_a)
+            cpasync.prefetch_descriptor(tma_b)
+            cpasync.prefetch_descriptor(tma_d)
+        cta_rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
+        cta_m, cta_n = cta_rank % self.cluster_m, cta_rank // self.cluster_m
+        cluster_layout = cute.make_layout((1, self.cluster_m, self.cluster_n, 1))
+
+        storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
+        stage_bytes = cute.size_in_bytes(self.ab_dtype, cute.slice_(sa_layout, (None, None, 0))) + cute.size_in_bytes(
+            self.ab_dtype, cute.slice_(sb_layout, (None, None, 0))
+        )
+        # A stage is released by every consumer warp of each CTA that wrote
+        # into it: this CTA and its multicast peers (along M for B, along N for A).
+        mainloop = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.barriers.data_ptr(),
+            num_stages=self.stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(
+                pipeline.Agent.Thread, (self.cluster_m + self.cluster_n - 1) * self.consumer_warpgroups * 4
+            ),
+            tx_count=stage_bytes,
+            cta_layout_vmnk=cluster_layout,
+            defer_sync=True,
+        )
+        pipeline.pipeline_init_arrive(cluster_shape_mn=cluster_layout, is_relaxed=True)
+
+        sa = storage.sa.get_tensor(sa_layout.outer, swizzle=sa_layout.inner)
+        sb = storage.sb.get_tensor(sb_layout.outer, swizzle=sb_layout.inner)
+        sd = storage.sd.get_tensor(sd_layout.outer, swizzle=sd_layout.inner)
+        sbias = storage.sbias.get_tensor(cute.make_layout(self.tile_mnk[1]))
+
+        total_rows, total_k = ta.shape[0], ta.shape[1]
+        cluster_id = cute.arch.block_idx()[2]
+        cluster_count = cute.arch.grid_dim()[2]
+        pipeline.pipeline_init_wait(cluster_shape_mn=cluster_layout)
+
+        warpgroup_idx = cute.arch.make_warp_uniform(tidx // THREADS_PER_WARPGROUP)
+        if warpgroup_idx == 0:
+            cute.arch.setmaxregister_decrease(PRODUCER_REGISTERS)
+            if warp_idx == 0:
+                self._produce(tma_a, ta, tma_b, tb, sa, sb, mainloop, cta_m, cta_n, cu_seqlens, num_groups,
+                              total_rows, total_k, cluster_id, cluster_count, n_clusters)
+        else:
+            cute.arch.setmaxregister_increase(CONSUMER_REGISTERS)
+            self._consume(tiled_mma, out_mma, tma_d, td, d, bias, tma_p, tp, preact, sa, sb, sd, sbias, mainloop,
+                          tidx - THREADS_PER_WARPGROUP, warp_idx, cta_m, cta_n, cu_seqlens, num_groups, total_rows,
+                          total_k, cluster_id, cluster_count, n_clusters)
+
+    @cute.jit
+    def _tile(self, cu_seqlens, num_groups, total_rows, total_k, item, cursor, n_clusters, cta_m, cta_n):
+        """Advance the cursor (None: start at group 0) to ``item``; returns (cursor,
+        valid, group, first row of the tile in A, in D, rows of the tile to store,
+        N tile, first K column, K columns, leading K columns outside the group).
+
+        The last tile of a group of at least ``tile_m`` rows is moved up to end
+        at the group's end (for a K-contiguous A): it recomputes rows of the
+        tile before it (both write correct values there) and is stored whole
+        by TMA, where a tile hanging over the next group would need a
+        predicated store."""
+        tile_m = self.tile_mnk[0]
+        if const_expr(self.varlen_k):
+            # Every group has all M rows; only its K range differs.
+            m_clusters = (total_rows + (tile_m * self.cluster_m - 1)) // (tile_m * self.cluster_m)
+            per_group = cutlass.max(m_clusters * n_clusters, 1)
+            group = item // per_group
+            row_start, rows, first_item = group * total_rows, total_rows, group * per_group
+            k_start, k_len = group_rows(cu_seqlens, group, num_groups, total_k)
+            k_lead = Int32(0)
+            if const_expr(not (self.a_m_major and self.b_n_major)):
+                # (K is strided in M- and N-major operands: any start will do,
+                # and only a group's last stage needs zeroing.)
+                if k_len > 0:
+                    k_lead = k_start % K_ALIGN
+            k_start, k_len = k_start - k_lead, k_len + k_lead
+            cursor = group
+        else:
+            if const_expr(cursor is None):
+                cursor = first_cursor(cu_seqlens, num_groups, total_rows, tile_m * self.cluster_m)
+            cursor = find_group(cu_seqlens, num_groups, total_rows, item, cursor, tile_m * self.cluster_m,
+                                n_clusters)
+            group, first_item, row_start, rows, m_clusters = cursor
+            k_start, k_len, k_lead = Int32(0), total_k, Int32(0)
+        # max(.., 1): an exhausted cursor (group == num_groups) has no M clusters.
+        m_cluster, n_cluster = tile_in_group(item - first_item, cutlass.max(m_clusters, 1), n_clusters, self.band)
+        tile_row = (m_cluster * self.cluster_m + cta_m) * tile_m
+        if const_expr(not self.a_m_major):
+            # (An M-contiguous A's box must start at a multiple of 8 rows: its
+            # last tile stays in place, stored by the predicated copy.)
+            if rows >= tile_m:
+                tile_row = cutlass.min(tile_row, rows - tile_m)
+        rows_left = rows - tile_row
+        a_row = tile_row if const_expr(self.varlen_k) else row_start + tile_row
+        return (cursor, group < num_groups, group, a_row, row_start + tile_row, rows_left,
+                n_cluster * self.cluster_n + cta_n, k_start, k_len, k_lead)
+
+    @cute.jit
+    def _produce(self, tma_a, ta, tma_b, tb, sa, sb, mainloop, cta_m, cta_n, cu_seqlens, num_groups, total_rows,
+                 total_k, cluster_id, cluster_count, n_clusters):
+        """Producer warp: TMA loads of A and B tiles, stage by stage."""
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+        cluster = cute.make_layout((self.cluster_m, self.cluster_n, 1))
+        a_mask = cute.make_layout_image_mask(cluster, (cta_m, cta_n, 0), mode=1)
+        b_mask = cute.make_layout_image_mask(cluster, (cta_m, cta_n, 0), mode=0)
+        item = cluster_id
+        cursor, valid, group, a_row, d_row, rows_left, n_tile, k_start, k_len, _ = self._tile(
+            cu_seqlens, num_groups, total_rows, total_k, item, None, n_clusters, cta_m, cta_n
+        )
+        while valid:
+            ga = cute.local_tile(cute.domain_offset((a_row, k_start), ta), (self.tile_mnk[0], TILE_K), (0, None))
+            b_group = 0 if const_expr(self.varlen_k) else group
+            gb = cute.local_tile(cute.domain_offset((0, k_start), tb[None, None, b_group]),
+                                 (self.tile_mnk[1], TILE_K), (n_tile, None))
+            tas, tag = cpasync.tma_partition(tma_a, cta_n, cute.make_layout(self.cluster_n),
+                                             cute.group_modes(sa, 0, 2), cute.group_modes(ga, 0, 2))
+            tbs, tbg = cpasync.tma_partition(tma_b, cta_m, cute.make_layout(self.cluster_m),
+                                             cute.group_modes(sb, 0, 2), cute.group_modes(gb, 0, 2))
+            for k in cutlass.range((k_len + (TILE_K - 1)) // TILE_K, unroll=1):
+                mainloop.producer_acquire(state)
+                barrier = mainloop.producer_get_barrier(state)
+                _tma_load(tma_a, tag[None, k], tas[None, state.index], barrier, a_mask, self.cluster_n)
+                _tma_load(tma_b, tbg[None, k], tbs[None, state.index], barrier, b_mask, self.cluster_m)
+                mainloop.producer_commit(state)
+                state.advance()
+            item = item + cluster_count
+            cursor, valid, group, a_row, d_row, rows_left, n_tile, k_start, k_len, _ = self._tile(
+                cu_seqlens, num_groups, total_rows, total_k, item, cursor, n_clusters, cta_m, cta_n
+            )
+        mainloop.producer_tail(state)
+
+    @cute.jit
+    def _consume(self, tiled_mma, out_mma, tma_d, td, d, bias, tma_p, tp, preact, sa, sb, sd, sbias, mainloop, tidx,
+                 warp_idx,
+                 cta_m, cta_n, cu_seqlens, num_groups, total_rows, total_k, cluster_id, cluster_count, n_clusters):
+        """Consumer warpgroups: WGMMA over the stages, then the epilogue."""
+        thr_mma = tiled_mma.get_slice(tidx)
+        stores_preact = preact is not None and not self.derivative
+        frag_a = tiled_mma.make_fragment_A(thr_mma.partition_A(sa))
+        frag_b = tiled_mma.make_fragment_B(thr_mma.partition_B(sb))
+        acc_shape = thr_mma.partition_C(cute.make_identity_tensor(self.tile_mnk[:2])).shape
+        acc = cute.make_rmem_tensor(acc_shape, cutlass.Float32)
+        k_blocks = cute.size(frag_a, mode=[2])
+        tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+
+        # Epilogue: registers -> shared (stmatrix) -> global (TMA or predicated copy).
+        r2s = epilogue_copy(tiled_mma, self.d_major, self.d_dtype)
+        thr_r2s = r2s.get_slice(tidx)
+        r2s_sd = thr_r2s.partition_D(sd)
+        r2s_acc = r2s.retile(acc)
+        sub_shape = cute.shape(thr_r2s.partition_S(sd))[:3]
+        sub_acc = cute.make_rmem_tensor(sub_shape, cutlass.Float32)
+        sub_out = cute.make_rmem_tensor(sub_shape, self.d_dtype)
+        acc_coords = thr_mma.partition_C(cute.make_identity_tensor(self.tile_mnk[:2]))
+        if const_expr(self.gated):
+            # D's values in the half- (double-) width MMA's layout, and its store path.
+            out_coords = out_mma.get_slice(tidx).partition_C(
+                cute.make_identity_tensor((self.tile_mnk[0], self.out_tile_n))
+            )
+            gated = cute.make_rmem_tensor(out_coords.shape, cutlass.Float32)
+            r2s_out = epilogue_copy(out_mma, self.d_major, self.d_dtype)
+            r2s_out_sd = r2s_out.get_slice(tidx).partition_D(sd)
+            r2s_gated = r2s_out.retile(gated)
+            gated_sub = cute.make_rmem_tensor(cute.shape(r2s_out.get_slice(tidx).partition_S(sd))[:3], self.d_dtype)
+        # (row, col) in the tile of each accumulator, in sub_acc's order (as r2s_acc is built).
+        r2s_coords = r2s.retile(thr_mma.partition_C(cute.make_identity_tensor(self.tile_mnk[:2])))
+        store_pipe = pipeline.PipelineTmaStore.create(
+            num_stages=EPILOGUE_BUFFERS,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.consumer_threads),
+        )
+        epi_barrier = pipeline.NamedBarrier(barrier_id=EPILOGUE_BARRIER_ID, num_threads=self.consumer_threads)
+        store_warp = warp_idx == THREADS_PER_WARPGROUP // 32  # the first consumer warp
+        subtiles = self.tile_mnk[1] // EPILOGUE_N
+        out_subtiles = self.out_tile_n // EPILOGUE_N
+
+        read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+        release_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+        item = cluster_id
+        stores = Int32(0)  # subtiles stored so far: the next shared buffer
+        cursor, valid, group, a_row, tile_start, rows_left, n_tile, k_start, k_len, k_lead = self._tile(
+            cu_seqlens, num_groups, total_rows, total_k, item, None, n_clusters, cta_m, cta_n
+        )
+        while valid:
+            if const_expr(bias is not None):
+                # The tile's bias columns, read once while the main loop runs
+                # (the last tile's epilogue ended on a barrier: no thread
+                # still reads them).
+                self._stage_bias(bias, sbias, n_tile * self.tile_mnk[1], d.shape[1], tidx)
+            # Mainloop: one WGMMA batch stays in flight; its stage is released one step late.
+            acc.fill(0.0)
+            k_tiles = (k_len + (TILE_K - 1)) // TILE_K
+            for k in cutlass.range(k_tiles, unroll=1):
+                mainloop.consumer_wait(read_state)
+                if const_expr(self.varlen_k):
+                    # The stage's columns outside the group: [lo, hi) are its own.
+                    lo, hi = k_lead - k * TILE_K, k_len - k * TILE_K
+                    if (lo > 0) | (hi < TILE_K):
+                        self._zero_outside_group(sa[None, None, read_state.index], sb[None, None, read_state.index],
+                                                 lo, hi, tidx)
+                warpgroup.fence()
+                for kb in cutlass.range_constexpr(k_blocks):
+                    cute.gemm(tiled_mma, acc, frag_a[None, None, kb, read_state.index],
+                              frag_b[None, None, kb, read_state.index], acc)
+                warpgroup.commit_group()
+                warpgroup.wait_group(1)
+                if k > 0:
+                    mainloop.consumer_release(release_state)
+                    release_state.advance()
+                read_state.advance()
+            warpgroup.wait_group(0)
+            # The last stage (none for an empty group of varlen K; the op
+            # returns zeros for K = 0 itself).
+            if k_tiles > 0:
+                mainloop.consumer_release(release_state)
+                release_state.advance()
+
+            # Epilogue: per 32-column subtile, bias and activation in fp32, then
+            # registers -> shared (stmatrix) -> global (TMA, or a predicated copy).
+            whole_tile = rows_left >= self.tile_mnk[0]
+            bsd, bgd = self._tma_subtiles(tma_d, td, sd, tile_start, n_tile, self.out_tile_n)
+            bsp, bgp = None, None
+            if const_expr(stores_preact):
+                bsp, bgp = self._tma_subtiles(tma_p, tp, sd, tile_start, n_tile, self.tile_mnk[1])
+            if const_expr(self.derivative and not self.gated):
+                self._scale_by_derivative(acc, acc_coords, preact, tile_start, n_tile * self.tile_mnk[1], rows_left)
+            if const_expr(bias is not None):
+                epi_barrier.arrive_and_wait()  # every thread's share of the bias is in
+            for sub in cutlass.range_constexpr(subtiles):
+                for v in cutlass.range_constexpr(cute.size(sub_acc)):
+                    sub_acc[v] = r2s_acc[sub * cute.size(sub_acc) + v]
+                if const_expr(bias is not None):
+                    for v in cutlass.range_constexpr(cute.size(sub_acc)):
+                        sub_acc[v] = sub_acc[v] + sbias[r2s_coords[sub * cute.size(sub_acc) + v][1]]
+                if const_expr(stores_preact):
+                    sub_out.store(sub_acc.load().to(self.d_dtype))
+                    self._store_subtile(r2s, sub_out, r2s_sd, sd, stores % EPILOGUE_BUFFERS, tma_p, bsp, bgp, preact,
+                                        sub, whole_tile, rows_left, tile_start, n_tile * self.tile_mnk[1], tidx,
+                                        store_warp, store_pipe, epi_barrier)
+                    stores = stores + 1
+                if const_expr(not self.gated):
+                    if const_expr(self.activation is not None and not self.derivative):
+                        for v in cutlass.range_constexpr(cute.size(sub_acc)):
+                            sub_acc[v] = activate(sub_acc[v], self.activation)
+                    sub_out.store(sub_acc.load().to(self.d_dtype))
+                    self._store_subtile(r2s, sub_out, r2s_sd, sd, stores % EPILOGUE_BUFFERS, tma_d, bsd, bgd, d, sub,
+                                        whole_tile, rows_left, tile_start, n_tile * self.tile_mnk[1], tidx,
+                                        store_warp, store_pipe, epi_barrier)
+                    stores = stores + 1
+            if const_expr(self.gated):
+                if const_expr(self.derivative):
+                    self._gate_gradients(acc, gated, out_coords, preact, tile_start, n_tile * self.out_tile_n,
+                                         rows_left, tidx)
+                else:
+                    self._gate(acc, gated, tidx)
+                per_sub = cute.size(gated_sub)
+                for sub in cutlass.range_constexpr(out_subtiles):
+                    for v in cutlass.range_constexpr(per_sub):
+                        gated_sub[v] = r2s_gated[sub * per_sub + v].to(self.d_dtype)
+                    self._store_subtile(r2s_out, gated_sub, r2s_out_sd, sd, stores % EPILOGUE_BUFFERS, tma_d, bsd,
+                                        bgd, d, sub, whole_tile, rows_left, tile_start, n_tile * self.out_tile_n,
+                                        tidx, store_warp, store_pipe, epi_barrier)
+                    stores = stores + 1
+            item = item + cluster_count
+            cursor, valid, group, a_row, tile_start, rows_left, n_tile, k_start, k_len, k_lead = self._tile(
+                cu_seqlens, num_groups, total_rows, total_k, item, cursor, n_clusters, cta_m, cta_n
+            )
+        store_pipe.producer_tail()
+
+    @cute.jit
+    def _stage_bias(self, bias, sbias, col0, n, tidx):
+        """The tile's bias columns ``col0`` on into shared memory as fp32, each
+        consumer thread a share; zeros past N (those columns are not stored)."""
+        tile_n = self.tile_mnk[1]
+        for j in cutlass.range_constexpr((tile_n + self.consumer_threads - 1) // self.consumer_threads):
+            i = tidx + j * self.consumer_threads
+            if i < tile_n:
+                value = cutlass.Float32(0.0)
+                if col0 + i < n:
+                    value = bias[col0 + i].to(cutlass.Float32)
+                sbias[i] = value
+
+    def _tma_subtiles(self, tma, t, sd, tile_start, n_tile, tile_n: int):
+        """The TMA store partitions (shared buffers, global subtiles) of the
+        output tile at ``tile_start`` rows, N tile ``n_tile`` of ``tile_n`` columns."""
+        g = cute.local_tile(cute.domain_offset((tile_start, 0), t), (self.tile_mnk[0], tile_n), (0, n_tile))
+        return cpasync.tma_partition(tma, 0, cute.make_layout(1), cute.group_modes(sd, 0, 2),
+                                     cute.zipped_divide(g, self.epi_tile))
+
+    @cute.jit
+    def _store_subtile(self, r2s, values, r2s_sd, sd, buffer, tma, bs, bg, g, sub, whole_tile, rows_left, tile_start,
+                       tile_col, tidx, store_warp, store_pipe, epi_barrier):
+        """One 32-column subtile of registers to ``g`` (the tile's first column
+        ``tile_col``): through shared ``buffer``, stored whole by TMA or row by
+        row (a partial tile)."""
+        cute.copy(r2s, values, r2s_sd[None, None, None, buffer])
+        cute.arch.fence_proxy("async.shared", space="cta")
+        epi_barrier.arrive_and_wait()
+        if whole_tile:
+            if store_warp:
+                cute.copy(tma, bs[None, buffer], bg[None, (0, sub)])
+        elif rows_left > 0:
+            self._store_rows(sd[None, None, buffer], g, tile_start, tile_col + sub * EPILOGUE_N, rows_left, tidx)
+        if store_warp:
+            # Every subtile, stored by TMA or not: the wait keeps a buffer
+            # from being refilled while an earlier TMA store still reads it.
+            store_pipe.producer_commit()
+            store_pipe.producer_acquire()
+        epi_barrier.arrive_and_wait()
+
+    @cute.jit
+    def _gate(self, acc, gated, tidx):
+        """``gated`` = act(gate) * up, from the accumulators of interleaved gate
+        and up columns, in the half-width MMA's layout.  Both layouts give lane
+        q of a quad columns 2q and 2q + 1 of each 8-column chunk, value index c
+        + 2 r + 4 chunk (c the column of the pair, r the row half): D chunk j
+        comes from accumulator chunks 2 j (D columns 8 j + q, on lane q) and 2
+        j + 1 (8 j + 4 + q), and lane q wants D columns 8 j + 2 q + c, held
+        by lane (2 q + c) % 4, in its first chunk when q < 2."""
+        lane = tidx % 32
+        q = lane % 4
+        for j in cutlass.range_constexpr(cute.size(gated) // 4):
+            for r in cutlass.range_constexpr(2):
+                first = 8 * j + 2 * r  # accumulator chunk 2 j, row half r: (gate, up)
+                x0 = activate(acc[first], self.activation) * acc[first + 1]
+                x1 = activate(acc[first + 4], self.activation) * acc[first + 5]
+                for c in cutlass.range_constexpr(2):
+                    source = lane - q + (2 * q + c) % 4
+                    low = cute.arch.shuffle_sync(x0, source)
+                    high = cute.arch.shuffle_sync(x1, source)
+                    gated[4 * j + 2 * r + c] = cutlass.Float32(cutlass.select_(q >= 2, high, low))
+
+    @cute.jit
+    def _scale_by_derivative(self, acc, coords, z, tile_start, col0, rows_left):
+        """acc *= act'(Z) at each value's coordinates (tile ``coords``; the
+        tile's first row and column ``tile_start``, ``col0``); values outside
+        the group's rows or Z's columns are never stored."""
+        for i in cutlass.range_constexpr(cute.size(acc)):
+            row, col = coords[i]
+            if (row < rows_left) & (col0 + col < z.shape[1]):
+                acc[i] = acc[i] * activation_derivative(z[tile_start + row, col0 + col].to(cutlass.Float32),
+                                                   self.activation)
+
+    @cute.jit
+    def _gate_gradients(self, acc, grads, coords, z, tile_start, col0, rows_left, tidx):
+        """``grads`` (the double-width MMA's layout) = the gradients of the
+        gate and up columns of the saved Z, from ``acc``, the gated output's
+        gradient g.  Lane q of a quad holds D columns 8 c + 2 q and + 1 of
+        chunk c: gate and up of g's column j = 4 c + q, which lives on lane
+        (j % 8) // 2 at index j % 2 + 2 r + 4 (j // 8)."""
+        lane = tidx % 32
+        q = lane % 4
+        for c in cutlass.range_constexpr(cute.size(grads) // 4):
+            for r in cutlass.range_constexpr(2):
+                first = 2 * r + 4 * (c // 2)
+                source = lane - q + (4 * (c % 2) + q) // 2
+                low = cute.arch.shuffle_sync(acc[first], source)
+                high = cute.arch.shuffle_sync(acc[first + 1], source)
+                g = cutlass.Float32(cutlass.select_(q % 2 == 1, high, low))
+                row, col = coords[4 * c + 2 * r]
+                grads[4 * c + 2 * r] = cutlass.Float32(0.0)
+                grads[4 * c + 2 * r + 1] = cutlass.Float32(0.0)
+                if (row < rows_left) & (col0 + col < z.shape[1]):
+                    gate = z[tile_start + row, col0 + col].to(cutlass.Float32)
+                    up = z[tile_start + row, col0 + col + 1].to(cutlass.Float32)
+                    grads[4 * c + 2 * r], grads[4 * c + 2 * r + 1] = gate_gradients(g, gate, up, self.activation)
+
+    @cute.jit
+    def _zero_outside_group(self, sa_stage, sb_stage, lo, hi, tidx):
+        """Zero the K columns of an A and a B stage before ``lo`` and from
+        ``hi`` on: they belong to the groups before and after this one (varlen
+        K), which the tile's TMA boxes reached into.  Both operands, so that a
+        non-finite value in a neighbouring group (0 x inf) stays there.  Every
+        consumer thread takes a share, then all of them wait for the writes
+        to reach the WGMMA's (async) proxy."""
+        for stage, rows, mn_major in ((sa_stage, self.tile_mnk[0], self.a_m_major),
+                                      (sb_stage, self.tile_mnk[1], self.b_n_major)):
+            if const_expr(mn_major):
+                self._zero_columns_mn_major(stage, rows, lo, hi, tidx)
+            else:
+                zero = self.ab_dtype(0.0)
+                for j in cutlass.range_constexpr(rows * TILE_K // self.consumer_threads):
+                    i = tidx + j * self.consumer_threads
+                    row, col = i % rows, i // rows
+                    if (col < lo) | (col >= hi):
+                        stage[row, col] = zero
+        cute.arch.fence_proxy("async.shared", space="cta")
+        pipeline.NamedBarrier(barrier_id=ZERO_BARRIER_ID, num_threads=self.consumer_threads).arrive_and_wait()
+
+    @cute.jit
+    def _zero_columns_mn_major(self, stage, rows: int, lo, hi, tidx):
+        """The columns outside [lo, hi) of an M- (N-) major stage, 16 bytes per
+        store: a column is contiguous there, and the swizzle moves whole
+        16-byte chunks.  (The varlen-K weight gradient's operands, Xᵀ and dY,
+        are both of this kind; a scalar store per element cost it a fifth of
+        its throughput.)"""
+        vec = 128 // self.ab_dtype.width
+        lanes = rows // vec  # threads along a column
+        zero_copy = cute.make_tiled_copy_tv(
+            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.ab_dtype, num_bits_per_copy=128),
+            cute.make_layout((lanes, self.consumer_threads // lanes), stride=(1, lanes)),
+            cute.make_layout((vec, 1)),
+        )
+        thr = zero_copy.get_slice(tidx)
+        dst = thr.partition_D(stage)
+        crd = thr.partition_D(cute.make_identity_tensor((rows, TILE_K)))
+        zeros = cute.make_rmem_tensor_like(dst[None, 0, 0])
+        zeros.fill(0.0)
+        for i in cutlass.range_constexpr(cute.size(dst, mode=[1])):
+            for j in cutlass.range_constexpr(cute.size(dst, mode=[2])):
+                col = crd[0, i, j][1]
+                if (col < lo) | (col >= hi):
+                    cute.copy(zero_copy, zeros, dst[None, i, j])
+
+    @cute.jit
+    def _store_rows(self, sd_buffer, d, tile_start, col0, rows_left, tidx):
+        """Predicated copy of one epilogue subtile to global memory: the rows of a
+        group's last tile that belong to the group, and columns inside N."""
+        vec = 128 // self.d_dtype.width
+        lanes_n = EPILOGUE_N // vec
+        copy = cute.make_tiled_copy_tv(
+            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.d_dtype, num_bits_per_copy=128),
+            cute.make_layout((self.consumer_threads // lanes_n, lanes_n), stride=(lanes_n, 1)),
+            cute.make_layout((1, vec)),
+        )
+        gd = cute.local_tile(cute.domain_offset((tile_start, col0), d), self.epi_tile, (0, 0))
+        # Row strides are multiples of 8 elements and col0 of 32: every row starts
+        # 16-byte aligned, which the offset arithmetic does not tell the compiler.
+        gd = cute.make_tensor(
+            cute.make_ptr(self.d_dtype, gd.iterator.toint(), cute.AddressSpace.gmem, assumed_align=16), gd.layout
+        )
+        coords = cute.make_identity_tensor(self.epi_tile)
+        thr = copy.get_slice(tidx)
+        src, dst, crd = thr.partition_S(sd_buffer), thr.partition_D(gd), thr.partition_D(coords)
+        cols_left = d.shape[1] - col0
+        for i in cutlass.range_constexpr(cute.size(src, mode=[1])):
+            for j in cutlass.range_constexpr(cute.size(src, mode=[2])):
+                row, col = crd[0, i, j]
+                if (row < rows_left) & (col < cols_left):
+                    cute.copy(copy, src[None, i, j], dst[None, i, j])
+
+
+_GELU_TANH_SCALE = 0.7978845608028654  # sqrt(2 / pi)
+_LOG2_E = 1.4426950408889634
+
+
+def activate(x, name: str):
+    """The activation ``name`` of one fp32 value (torch's definitions;
+    gelu_tanh is GELU's tanh approximation)."""
+    if const_expr(name == "relu"):
+        return cutlass.max(x, cutlass.Float32(0.0))
+    if const_expr(name == "relu_sq"):
+        r = cutlass.max(x, cutlass.Float32(0.0))
+        return r * r
+    if const_expr(name == "gelu_tanh"):
+        return 0.5 * x * (1.0 + _tanh(_GELU_TANH_SCALE * (x + 0.044715 * x * x * x)))
+    # silu: x / (1 + e^-x) with the fast exp2 and reciprocal (the exact
+    # exp and division cost the epilogue a fifth of the GEMM's throughput).
+    return x * cute.arch.rcp_approx(1.0 + cute.math.exp2(x * -_LOG2_E, fastmath=True))
+
+
+def _tanh(z):
+    """tanh of one fp32 value as 1 - 2 / (1 + e^2z), with the fast exp2 and
+    reciprocal (two MUFU operations; absolute error about 1e-7, and the
+    limits at +-inf exact): the exact tanh's instruction sequence costs the
+    gelu_tanh epilogue several points of the GEMM's throughput."""
+    return 1.0 - 2.0 * cute.arch.rcp_approx(1.0 + cute.math.exp2(z * (2.0 * _LOG2_E), fastmath=True))
+
+
+def activation_derivative(x, name: str):
+    """d act(x) / dx of one fp32 value (``activate``'s activations)."""
+    if const_expr(name == "relu"):
+        return cutlass.Float32(cutlass.select_(x > 0.0, cutlass.Float32(1.0), cutlass.Float32(0.0)))
+    if const_expr(name == "relu_sq"):
+        return 2.0 * cutlass.max(x, cutlass.Float32(0.0))
+    if const_expr(name == "gelu_tanh"):
+        t = _tanh(_GELU_TANH_SCALE * (x + 0.044715 * x * x * x))
+        return 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * _GELU_TANH_SCALE * (1.0 + 3.0 * 0.044715 * x * x)
+    sigmoid = cute.arch.rcp_approx(1.0 + cute.math.exp2(x * -_LOG2_E, fastmath=True))  # silu
+    return sigmoid * (1.0 + x * (1.0 - sigmoid))
+
+
+def gate_gradients(g, gate, up, name: str):
+    """The gradients of a gated pair's (gate, up) from g, the gradient of
+    act(gate) * up (fp32 values)."""
+    return g * up * activation_derivative(gate, name), g * activate(gate, name)
+
+
+def epilogue_copy(tiled_mma, d_major, d_dtype):
+    """The epilogue's tiled copy of accumulators to shared memory.  The
+    stmatrix atom lays it out for every output dtype (a plain-store atom
+    would permute each thread's values); the store itself is
+    ``get_smem_store_op``'s: stmatrix for 16-bit outputs, plain stores for
+    fp32.  tests/test_gemm_epilogue_layout.py checks where values land."""
+    store_atom = cute.make_copy_atom(warp.StMatrix8x8x16bOp(d_major.is_m_major_c(), 4), d_dtype)
+    return cute.make_tiled_copy_S(
+        sm90.get_smem_store_op(d_major, elem_ty_d=d_dtype, elem_ty_acc=cutlass.Float32),
+        cute.make_tiled_copy_C_atom(store_atom, tiled_mma),
+    )
+
+
+def _tma_load(atom, src, dst, barrier, mask, multicast: int):
+    """One TMA load completing on ``barrier``; multicast with ``mask`` when shared."""
+    if const_expr(multicast > 1):
+        cute.copy(atom, src, dst, tma_bar_ptr=barrier, mcast_mask=mask)
+    else:
+        cute.copy(atom, src, dst, tma_bar_ptr=barrier)
+
+
+def _load_op(multicast: int):
+    """TMA load, multicast to the cluster peers that share the tile."""
+    return cpasync.CopyBulkTensorTileG2SMulticastOp() if multicast > 1 else cpasync.CopyBulkTensorTileG2SOp()

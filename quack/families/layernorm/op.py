@@ -1,0 +1,336 @@
+"""LayerNorm as a cached, torch-callable op: ``quack.layernorm(x, weight, bias=None, eps=1e-5)``.
+
+    y = (x - mean(x)) * rsqrt(var(x) + eps) * weight + bias
+
+over the last dimension of x (shape (..., N), N up to 262144, any number of
+rows, float32/float16/bfloat16; the biased variance, as
+``torch.nn.functional.layer_norm``).  weight and bias: (N,), float32 or x's
+dtype, each optional.  Autograd gives gradients for x, weight and bias.
+
+The kernels live in ``quack/families/layernorm/kernels.py``; this file holds the cached
+compile functions (their arguments are the object key), the ``@cute_op`` ops,
+the allocating wrappers, the autograd Function, the public function and the
+fp32 reference ``layernorm_ref`` that tests import.
+
+Test: ``pytest tests/test_layernorm.py``; benchmark: ``python tools/bench/layernorm.py``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import ClassVar, Optional
+
+import torch
+
+from quack.calls import torch_interop as ti
+from quack.cache import compile_options, jit_cache
+from quack.calls import fastpath
+from quack.compile_only import autograd_available, differentiable_outputs, is_compile_only
+from quack.calls.cute_op import cute_op
+from quack.rowwise.norm_backward_grid import grid_clusters
+from quack.calls.plan import Kernel, Plan, Signature, blame, fake_tensor, plan_for, signature
+from quack.rowwise.config import backward_config, check_eps, forward_config
+
+MAX_N = 262144
+
+
+def _fake_param(dtype: Optional[str], n: int, vec: int):
+    from quack.rowwise import device as rowwise
+
+    return rowwise.fake_vector(ti.cute_dtype(dtype), n, vec) if dtype else None
+
+
+# This op's eager fast path (quack/calls/fastpath.py).
+_FAST = fastpath.Closures()
+
+
+@jit_cache("layernorm")
+def compile_layernorm_fwd(
+    dtype: str, weight_dtype: Optional[str], bias_dtype: Optional[str], n: int, vec: int,
+    store_stats: bool = True,
+):
+    """Compile the forward kernel for one static specialisation (M is symbolic).
+    ``store_stats``: write mean and rstd per row for a backward pass."""
+    import cutlass.cute as cute
+    from cutlass import Float32
+
+    from quack.rowwise import device as rowwise
+    from quack.families.layernorm.kernels import LayerNormForward
+
+    dt = ti.cute_dtype(dtype)
+    cfg = forward_config(n, vec)
+    m = cute.sym_int()
+    stats = (rowwise.fake_vector(Float32, m), rowwise.fake_vector(Float32, m)) if store_stats else (None, None)
+    return cute.compile(
+        LayerNormForward(cfg), rowwise.fake_rows(dt, m, n, vec), _fake_param(weight_dtype, n, vec),
+        _fake_param(bias_dtype, n, vec), rowwise.fake_rows(dt, m, n, vec), *stats,
+        Float32(0.0), cute.runtime.make_fake_stream(), options=compile_options(),
+    )
+
+
+@jit_cache("layernorm")
+def compile_layernorm_bwd(
+    dtype: str, weight_dtype: Optional[str], has_bias: bool, n: int, vec: int
+):
+    """Compile the backward kernel (dw partials whenever a weight is given, db
+    partials whenever a bias is)."""
+    import cutlass.cute as cute
+    from cutlass import Float32, Int32
+
+    from quack.rowwise import device as rowwise
+    from quack.rowwise.norm_backward import NormBackward
+
+    cfg = backward_config(n, vec)
+    dt = ti.cute_dtype(dtype)
+    m = cute.sym_int()
+    rows = lambda: rowwise.fake_rows(dt, m, n, vec)  # noqa: E731
+    # The dw and db partial buffers share their (symbolic) row count.
+    p = cute.sym_int()
+    dw_partial = rowwise.fake_rows(Float32, p, n, vec) if weight_dtype else None
+    db_partial = rowwise.fake_rows(Float32, p, n, vec) if has_bias else None
+    return cute.compile(
+        NormBackward(cfg, centred=True), rows(), _fake_param(weight_dtype, n, vec), rows(), None,
+        rowwise.fake_vector(Float32, m), rowwise.fake_vector(Float32, m), rows(), dw_partial,
+        db_partial, Float32(0.0), Int32(1), cute.runtime.make_fake_stream(), options=compile_options(),
+    )
+
+
+@signature
+class LayerNormCall(Signature):
+    """What decides a ``quack.layernorm`` call's kernels: x's dtype, the
+    weight's and the bias's (None without one), N, the forward's vector width
+    and whether a backward will run (the forward then stores the statistics)."""
+
+    OP: ClassVar[str] = "layernorm"
+    dtype: str
+    weight_dtype: Optional[str]
+    bias_dtype: Optional[str]
+    n: int
+    vec: int
+    backward: bool
+
+    def kernels(self):
+        forward = Kernel(
+            compile_layernorm_fwd, (self.dtype, self.weight_dtype, self.bias_dtype, self.n, self.vec, self.backward)
+        )
+        if not self.backward:
+            return (("forward", forward),)
+        # The backward's inputs are realigned (ti.aligned): full vector width.
+        # It sums db whenever there is a bias (the op drops it unless asked).
+        backward = Kernel(
+            compile_layernorm_bwd,
+            (self.dtype, self.weight_dtype, self.bias_dtype is not None, self.n, ti.full_width(self.n, self.dtype)),
+        )
+        return (("forward", forward), ("backward", backward))
+
+    def rebuild(self) -> "LayerNormCall":
+        """The op's checks and signature of a call on one row of N (``plan.from_entry``):
+        x ``vec`` elements into its storage below the full vector width (its
+        alignment then gives that width), the parameters aligned."""
+        x = fake_tensor(self, "dtype", (1, 1))
+        with blame(self, "dtype"):
+            _validate(x, None, None)
+        with blame(self, "n"):
+            _validate(fake_tensor(self, "dtype", (1, self.n)), None, None)
+        offset = self.vec if 0 < self.vec < ti.full_width(self.n, self.dtype) else 0
+        x = fake_tensor(self, "dtype", (1, self.n), offset)
+        weight = fake_tensor(self, "weight_dtype", (self.n,))
+        with blame(self, "weight_dtype"):
+            _validate(x, weight, None)
+        bias = fake_tensor(self, "bias_dtype", (self.n,))
+        with blame(self, "bias_dtype"):
+            _validate(x, weight, bias)
+        return call_signature(x, weight, bias, self.backward)
+
+
+def call_signature(x, weight, bias, backward: bool) -> LayerNormCall:
+    """The signature of a call on these tensors (the vector width from their alignment)."""
+    n = x.shape[-1]
+    return LayerNormCall(
+        ti.dtype_name(x.dtype), _name(weight), _name(bias), n, ti.vector_width(n, x, weight, bias), backward
+    )
+
+
+def _name(t: Optional[torch.Tensor]) -> Optional[str]:
+    return ti.dtype_name(t.dtype) if t is not None else None
+
+
+def _name_of(dtype: Optional[torch.dtype]) -> Optional[str]:
+    return ti.dtype_name(dtype) if dtype is not None else None
+
+
+def _launch_fwd(plan: Plan, x, weight, bias, out, mean, rstd, eps) -> None:
+    plan.kernel("forward")(x, weight, bias, out, mean, rstd, eps, ti.current_stream(x.device))
+
+
+def _launch_bwd(kernel: Kernel, x, weight, dy, mean, rstd, dx, dw, db) -> None:
+    """The persistent backward, then the sums of its per-CTA partial rows into
+    dw (given exactly when weight is) and db.  The grid and the partial
+    buffers are sized here, on the real tensors, never while torch.compile
+    traces (where N and M may be symbolic)."""
+    m, n = x.shape
+    # The object runs at full vector width: realign what autograd handed us.
+    x, weight, dy = (ti.aligned(t) for t in (x, weight, dy))
+    cfg = backward_config(n, kernel.args[-1])
+    num_ctas = grid_clusters(
+        cfg, m, x.device.index or 0, x.element_size(), 0 if weight is None else weight.element_size(), False
+    )
+    rows = num_ctas * cfg.rows_per_cta
+    dw_partial = ti.partial_rows(rows, n, x.device, m) if dw is not None else None
+    db_partial = ti.partial_rows(rows, n, x.device, m) if db is not None else None
+    if m > 0:
+        launch = kernel.load()
+        # eps: RMSNorm's only (its N = 1 dx).
+        launch(x, weight, dy, None, mean, rstd, dx, dw_partial, db_partial, 0.0, num_ctas, ti.current_stream(x.device))
+    ti.sum_partial_rows(dw_partial, dw)
+    ti.sum_partial_rows(db_partial, db)
+
+
+# The registered ops, which torch.compile's graphs call: each takes its
+# kernel from its own (real) tensors.
+@cute_op("quack::layernorm_fwd", mutates_args=("out", "mean", "rstd"))
+def _layernorm_fwd(
+    x: torch.Tensor,
+    weight: Optional[torch.Tensor],
+    bias: Optional[torch.Tensor],
+    out: torch.Tensor,
+    mean: Optional[torch.Tensor],
+    rstd: Optional[torch.Tensor],
+    eps: float,
+) -> None:
+    """Launch the forward kernel on 2-D (M, N) tensors."""
+    _launch_fwd(plan_for(call_signature(x, weight, bias, rstd is not None)), x, weight, bias, out, mean, rstd, eps)
+
+
+@cute_op("quack::layernorm_bwd", mutates_args=("dx", "dw", "db"))
+def _layernorm_bwd(
+    x: torch.Tensor,
+    weight: Optional[torch.Tensor],
+    dy: torch.Tensor,
+    mean: torch.Tensor,
+    rstd: torch.Tensor,
+    dx: torch.Tensor,
+    dw: Optional[torch.Tensor],
+    db: Optional[torch.Tensor],
+    bias_dtype: Optional[str],
+) -> None:
+    """Launch the backward kernel on 2-D (M, N) tensors (realigned for it; db
+    given exactly when the call had a bias, of ``bias_dtype``)."""
+    dtype, n = ti.dtype_name(x.dtype), x.shape[1]
+    # The call as far as the backward sees it (the forward's vector width
+    # does not change the backward object).
+    plan = plan_for(LayerNormCall(dtype, _name(weight), bias_dtype, n, ti.full_width(n, dtype), True))
+    _launch_bwd(plan.kernel_of("backward"), x, weight, dy, mean, rstd, dx, dw, db)
+
+
+def _validate(x, weight, bias) -> None:
+    ti.check_row_input("quack.layernorm", "x", x, MAX_N)
+    ti.check_param("weight", weight, x)
+    ti.check_param("bias", bias, x)
+
+
+def layernorm_fwd(x, weight=None, bias=None, eps=1e-5, store_stats=True, plan: Optional[Plan] = None):
+    """Allocate outputs and run the forward: returns (y, mean, rstd); the
+    statistics are None unless ``store_stats``.  ``plan``: the call's
+    (eager); None goes through the registered op (torch.compile, direct use)."""
+    n = x.shape[-1]
+    x2 = ti.as_rows(x, n)
+    out = torch.empty_like(x)
+    mean = rstd = None
+    if store_stats:
+        mean = torch.empty(x2.shape[0], device=x.device, dtype=torch.float32)
+        rstd = torch.empty(x2.shape[0], device=x.device, dtype=torch.float32)
+    if x2.shape[0] > 0:
+        args = (x2, weight, bias, ti.as_rows(out, n), mean, rstd, eps)
+        _launch_fwd(plan, *args) if plan is not None else _layernorm_fwd(*args)
+    return out, mean, rstd
+
+
+def layernorm_bwd(x, weight, dy, mean, rstd, bias_dtype=None, plan: Optional[Plan] = None):
+    """Allocate gradients and run the backward: returns (dx, dweight or None,
+    dbias in fp32, or None when the call had no bias: ``bias_dtype`` None)."""
+    n = x.shape[-1]
+    dy = dy.contiguous()
+    dx = torch.empty_like(x)
+    dw = torch.empty_like(weight) if weight is not None else None
+    db = torch.empty(n, device=x.device, dtype=torch.float32) if bias_dtype is not None else None
+    args = (ti.as_rows(x, n), weight, ti.as_rows(dy, n), mean, rstd, ti.as_rows(dx, n), dw, db)
+    if plan is not None:
+        _launch_bwd(plan.kernel_of("backward"), *args)
+    else:
+        _layernorm_bwd(*args, bias_dtype)
+    return dx, dw, db
+
+
+class _LayerNormFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps, plan):
+        # Kernels take plain tensors (DLPack refuses ones that require grad).
+        x, weight, bias = (t.detach() if t is not None else None for t in (x, weight, bias))
+        y, mean, rstd = layernorm_fwd(x, weight, bias, eps, plan=plan)
+        ctx.bias_dtype = bias.dtype if bias is not None else None  # db's dtype
+        ctx.plan = plan
+        ctx.save_for_backward(x, weight, mean, rstd)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, mean, rstd = ctx.saved_tensors
+        bias_dtype = _name_of(ctx.bias_dtype)
+        dx, dw, db = layernorm_bwd(x, weight, dy, mean, rstd, bias_dtype, ctx.plan)
+        if weight is None or not ctx.needs_input_grad[1]:
+            dw = None
+        db = db.to(ctx.bias_dtype) if db is not None and ctx.needs_input_grad[2] else None
+        return dx, dw, db, None, None
+
+
+def layernorm(x, weight=None, bias=None, eps: float = 1e-5):
+    """LayerNorm over the last dimension.
+
+    x: (..., N) contiguous CUDA tensor, float32/float16/bfloat16, N <= 262144.
+    weight, bias: (N,), float32 or x's dtype, each optional.  eps: a finite
+    real number >= 0.  Returns y like x.  Raises TypeError for a wrong dtype
+    or eps type and ValueError for a wrong device, shape, layout or eps
+    value, before any launch.
+    """
+    if eps.__class__ is not float or not 0.0 <= eps < math.inf:  # (the usual float, cheaply)
+        eps = check_eps(eps)
+    y = NotImplemented if fastpath.tracing() else _FAST.call(3, x, weight, bias, eps)
+    if y is not NotImplemented:
+        return y
+    _validate(x, weight, bias)
+    backward = ti.will_backward(x, weight, bias)
+    # While torch.compile traces there are no addresses: the registered ops
+    # take their kernels from the real tensors when the graph runs.
+    plan = None if torch.compiler.is_compiling() else plan_for(call_signature(x, weight, bias, backward))
+    if is_compile_only():
+        # Export every kernel of the plan (the launches are no-ops), the
+        # backward's too; a graph is built where autograd can run.
+        plan.warm()
+        backward = backward and autograd_available()
+    if backward:
+        return _LayerNormFunction.apply(x, weight, bias, eps, plan)
+    with torch.no_grad():
+        stats = plan is not None and plan.signature.backward
+        y = layernorm_fwd(x, weight, bias, eps, store_stats=stats, plan=plan)[0]
+    if x.numel() > 0 and not stats:
+        _FAST.remember((x, weight, bias), lambda: _inference_closure(plan, x.device))
+    return differentiable_outputs(y, stats)
+
+
+def _inference_closure(plan: Plan, device: torch.device):
+    """The eager fast path's launch for calls like this one (``quack/calls/fastpath.py``):
+    x and y go to the kernel as rows, unviewed."""
+    launch = fastpath.direct(plan, "forward", device, rows=frozenset((0, 3)))
+    none = fastpath.NONE  # launch(x, weight, bias, y, None, None, eps, None) -> y
+    return fastpath.like_closure(launch, 1, (0, 1, 2, fastpath.output(0), none, none, 3, none))
+
+
+def layernorm_ref(x, weight=None, bias=None, eps: float = 1e-5):
+    """fp32 reference with the same signature, rounded to x's dtype."""
+    y = torch.nn.functional.layer_norm(
+        x.float(), (x.shape[-1],),
+        weight.float() if weight is not None else None,
+        bias.float() if bias is not None else None, eps,
+    )
+    return y.to(x.dtype)

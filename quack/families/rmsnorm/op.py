@@ -1,0 +1,330 @@
+"""RMSNorm as a cached, torch-callable op: ``quack.rmsnorm(x, weight, eps, residual)``.
+
+    y = (x + residual) * rsqrt(mean((x + residual)^2) + eps) * weight
+
+over the last dimension of x (shape (..., N), N up to 262144, any number of
+rows).  With a residual it returns ``(y, x + residual)``, the pre-norm
+pattern.  Autograd gives gradients for x, weight and residual.
+
+The kernels live in ``quack/families/rmsnorm/kernels.py``; this file holds the cached
+compile functions (their arguments are the object key), the ``@cute_op`` ops,
+the allocating wrappers, the autograd Function, the public function and the
+fp32 reference ``rmsnorm_ref`` that tests import.
+
+Test: ``pytest tests/test_rmsnorm.py``; benchmark: ``python tools/bench/rmsnorm.py``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import ClassVar, Optional
+
+import torch
+
+from quack.calls import torch_interop as ti
+from quack.cache import compile_options, jit_cache
+from quack.calls import fastpath
+from quack.compile_only import autograd_available, differentiable_outputs, is_compile_only
+from quack.calls.cute_op import cute_op
+from quack.rowwise.norm_backward_grid import grid_clusters
+from quack.calls.plan import Kernel, Plan, Signature, blame, fake_tensor, plan_for, signature
+from quack.rowwise.config import backward_config, check_eps, forward_config
+
+MAX_N = 262144
+
+
+# This op's eager fast path (quack/calls/fastpath.py).
+_FAST = fastpath.Closures()
+
+
+@jit_cache("rmsnorm")
+def compile_rmsnorm_fwd(
+    dtype: str, weight_dtype: Optional[str], has_residual: bool, n: int, vec: int, store_rstd: bool = True
+):
+    """Compile the forward kernel for one static specialisation (M is symbolic).
+    ``store_rstd``: write 1/rms per row for a backward pass (not needed for inference)."""
+    import cutlass.cute as cute
+    from cutlass import Float32
+
+    from quack.rowwise import device as rowwise
+    from quack.families.rmsnorm.kernels import RMSNormForward
+
+    dt = ti.cute_dtype(dtype)
+    cfg = forward_config(n, vec)
+    m = cute.sym_int()
+    rows = lambda: rowwise.fake_rows(dt, m, n, vec)  # noqa: E731
+    weight = rowwise.fake_vector(ti.cute_dtype(weight_dtype), n, vec) if weight_dtype else None
+    residual, residual_out = (rows(), rows()) if has_residual else (None, None)
+    rstd = rowwise.fake_vector(Float32, m) if store_rstd else None
+    return cute.compile(
+        RMSNormForward(cfg), rows(), weight, residual, rows(), residual_out, rstd,
+        Float32(0.0), cute.runtime.make_fake_stream(), options=compile_options(),
+    )
+
+
+@jit_cache("rmsnorm")
+def compile_rmsnorm_bwd(dtype: str, weight_dtype: Optional[str], has_dh_out: bool, n: int, vec: int):
+    """Compile the backward kernel (dw partials are written whenever a weight is given)."""
+    import cutlass.cute as cute
+    from cutlass import Float32, Int32
+
+    from quack.rowwise import device as rowwise
+    from quack.rowwise.norm_backward import NormBackward
+
+    cfg = backward_config(n, vec)
+    dt = ti.cute_dtype(dtype)
+    m = cute.sym_int()
+    rows = lambda: rowwise.fake_rows(dt, m, n, vec)  # noqa: E731
+    weight = rowwise.fake_vector(ti.cute_dtype(weight_dtype), n, vec) if weight_dtype else None
+    dw_partial = rowwise.fake_rows(Float32, cute.sym_int(), n, vec) if weight_dtype else None
+    dh_out = rows() if has_dh_out else None
+    rstd = rowwise.fake_vector(Float32, m)
+    return cute.compile(
+        NormBackward(cfg, centred=False), rows(), weight, rows(), dh_out, None, rstd, rows(), dw_partial,
+        None, Float32(0.0), Int32(1), cute.runtime.make_fake_stream(), options=compile_options(),
+    )
+
+
+@signature
+class RMSNormCall(Signature):
+    """What decides a ``quack.rmsnorm`` call's kernels: x's dtype, the
+    weight's (None without one), a residual, N, the forward's vector width
+    and whether a backward will run (the forward then stores 1/rms)."""
+
+    OP: ClassVar[str] = "rmsnorm"
+    dtype: str
+    weight_dtype: Optional[str]
+    residual: bool
+    n: int
+    vec: int
+    backward: bool
+
+    def kernels(self):
+        forward = Kernel(
+            compile_rmsnorm_fwd, (self.dtype, self.weight_dtype, self.residual, self.n, self.vec, self.backward)
+        )
+        if not self.backward:
+            return (("forward", forward),)
+        # The backward's inputs are realigned (ti.aligned): full vector width.
+        backward = Kernel(
+            compile_rmsnorm_bwd, (self.dtype, self.weight_dtype, self.residual, self.n, ti.full_width(self.n, self.dtype))
+        )
+        return (("forward", forward), ("backward", backward))
+
+    def rebuild(self) -> "RMSNormCall":
+        """The op's checks and signature of a call on one row of N (``plan.from_entry``):
+        x ``vec`` elements into its storage below the full vector width (its
+        alignment then gives that width), the other tensors aligned."""
+        x = fake_tensor(self, "dtype", (1, 1))
+        with blame(self, "dtype"):
+            _validate(x, None, None)
+        with blame(self, "n"):
+            _validate(fake_tensor(self, "dtype", (1, self.n)), None, None)
+        offset = self.vec if 0 < self.vec < ti.full_width(self.n, self.dtype) else 0
+        x = fake_tensor(self, "dtype", (1, self.n), offset)
+        weight = fake_tensor(self, "weight_dtype", (self.n,))
+        residual = fake_tensor(self, "dtype", (1, self.n)) if self.residual else None
+        with blame(self, "weight_dtype"):
+            _validate(x, weight, residual)
+        return call_signature(x, weight, residual, self.backward)
+
+
+def call_signature(x, weight, residual, backward: bool) -> RMSNormCall:
+    """The signature of a call on these tensors (the vector width from their alignment)."""
+    n = x.shape[-1]
+    vec = ti.vector_width(n, x, weight, residual)
+    return RMSNormCall(ti.dtype_name(x.dtype), _name(weight), residual is not None, n, vec, backward)
+
+
+def _name(t: Optional[torch.Tensor]) -> Optional[str]:
+    return ti.dtype_name(t.dtype) if t is not None else None
+
+
+def _launch_fwd(plan: Plan, x, weight, residual, out, residual_out, rstd, eps) -> None:
+    plan.kernel("forward")(x, weight, residual, out, residual_out, rstd, eps, ti.current_stream(x.device))
+
+
+def _launch_bwd(kernel: Kernel, x, weight, dy, dh_out, rstd, dx, dw, eps) -> None:
+    """The persistent backward, then the sum of its per-CTA partial rows into
+    dw (given exactly when weight is).  The grid and the partial buffer are
+    sized here, on the real tensors, never while torch.compile traces (where
+    N and M may be symbolic)."""
+    m, n = x.shape
+    # The object runs at full vector width: realign what autograd handed us.
+    x, weight, dy, dh_out = (ti.aligned(t) for t in (x, weight, dy, dh_out))
+    cfg = backward_config(n, kernel.args[-1])
+    num_ctas = grid_clusters(
+        cfg, m, x.device.index or 0, x.element_size(),
+        0 if weight is None else weight.element_size(), dh_out is not None,
+    )
+    dw_partial = ti.partial_rows(num_ctas * cfg.rows_per_cta, n, x.device, m) if dw is not None else None
+    if m > 0:
+        launch = kernel.load()
+        launch(x, weight, dy, dh_out, None, rstd, dx, dw_partial, None, eps, num_ctas, ti.current_stream(x.device))
+    ti.sum_partial_rows(dw_partial, dw)
+
+
+# The registered ops, which torch.compile's graphs call: each derives its
+# plan from its own (real) tensors.
+@cute_op("quack::rmsnorm_fwd", mutates_args=("out", "residual_out", "rstd"))
+def _rmsnorm_fwd(
+    x: torch.Tensor,
+    weight: Optional[torch.Tensor],
+    residual: Optional[torch.Tensor],
+    out: torch.Tensor,
+    residual_out: Optional[torch.Tensor],
+    rstd: Optional[torch.Tensor],
+    eps: float,
+) -> None:
+    """Launch the forward kernel on 2-D (M, N) tensors."""
+    plan = plan_for(call_signature(x, weight, residual, rstd is not None))
+    _launch_fwd(plan, x, weight, residual, out, residual_out, rstd, eps)
+
+
+@cute_op("quack::rmsnorm_bwd", mutates_args=("dx", "dw"))
+def _rmsnorm_bwd(
+    x: torch.Tensor,
+    weight: Optional[torch.Tensor],
+    dy: torch.Tensor,
+    dh_out: Optional[torch.Tensor],
+    rstd: torch.Tensor,
+    dx: torch.Tensor,
+    dw: Optional[torch.Tensor],
+    eps: float,
+) -> None:
+    """Launch the backward kernel on 2-D (M, N) tensors (realigned for it)."""
+    dtype, n = ti.dtype_name(x.dtype), x.shape[1]
+    # The call as far as the backward sees it (the forward's vector width
+    # does not change the backward object).
+    plan = plan_for(RMSNormCall(dtype, _name(weight), dh_out is not None, n, ti.full_width(n, dtype), True))
+    _launch_bwd(plan.kernel_of("backward"), x, weight, dy, dh_out, rstd, dx, dw, eps)
+
+
+def _validate(x, weight, residual) -> None:
+    ti.check_row_input("quack.rmsnorm", "x", x, MAX_N)
+    ti.check_param("weight", weight, x)
+    if residual is not None:
+        ti.check_float("residual", residual, (x.dtype,))
+        ti.check_cuda("residual", residual, x)
+        ti.check_contiguous("residual", residual)
+        if residual.shape != x.shape:
+            raise ValueError(
+                f"residual shape {tuple(residual.shape)} differs from x shape {tuple(x.shape)}"
+            )
+
+
+def rmsnorm_fwd(x, weight=None, residual=None, eps=1e-6, store_rstd=True, plan: Optional[Plan] = None):
+    """Allocate outputs and run the forward: returns (y, x + residual or None,
+    rstd or None).  ``plan``: the call's (eager); None goes through the
+    registered op (torch.compile, or direct use)."""
+    n = x.shape[-1]
+    x2 = ti.as_rows(x, n)
+    res2 = ti.as_rows(residual, n) if residual is not None else None
+    out = torch.empty_like(x)
+    h = torch.empty_like(x) if residual is not None else None
+    rstd = torch.empty(x2.shape[0], device=x.device, dtype=torch.float32) if store_rstd else None
+    if x2.shape[0] > 0:
+        h2 = ti.as_rows(h, n) if h is not None else None
+        args = (x2, weight, res2, ti.as_rows(out, n), h2, rstd, eps)
+        _launch_fwd(plan, *args) if plan is not None else _rmsnorm_fwd(*args)
+    return out, h, rstd
+
+
+def rmsnorm_bwd(h, weight, dy, rstd, dh_out=None, *, eps: float, plan: Optional[Plan] = None):
+    """Allocate gradients and run the backward: returns (dh, dweight or None).
+    ``eps``: the forward's, required (dx at N = 1 is eps * rstd^3)."""
+    n = h.shape[-1]
+    dy = dy.contiguous()
+    dh2 = ti.as_rows(dh_out.contiguous(), n) if dh_out is not None else None
+    dx = torch.empty_like(h)
+    dw = torch.empty_like(weight) if weight is not None else None
+    args = (ti.as_rows(h, n), weight, ti.as_rows(dy, n), dh2, rstd, ti.as_rows(dx, n), dw, eps)
+    _launch_bwd(plan.kernel_of("backward"), *args) if plan is not None else _rmsnorm_bwd(*args)
+    return dx, dw
+
+
+class _RMSNormFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, residual, eps, plan):
+        # Kernels take plain tensors (DLPack refuses ones that require grad).
+        x, weight, residual = (t.detach() if t is not None else None for t in (x, weight, residual))
+        y, h, rstd = rmsnorm_fwd(x, weight, residual, eps, plan=plan)
+        ctx.has_residual = residual is not None
+        ctx.plan = plan
+        ctx.eps = eps
+        ctx.save_for_backward(h if h is not None else x, weight, rstd)
+        if h is not None:
+            return y, h
+        return y
+
+    @staticmethod
+    def backward(ctx, dy, dh_out=None):
+        # A saved output (x + residual) comes back requiring grad; kernels take plain tensors.
+        h, weight, rstd = (t.detach() if t is not None else None for t in ctx.saved_tensors)
+        dh, dw = rmsnorm_bwd(h, weight, dy, rstd, dh_out if ctx.has_residual else None, eps=ctx.eps, plan=ctx.plan)
+        if weight is None or not ctx.needs_input_grad[1]:
+            dw = None
+        return dh, dw, dh if ctx.has_residual else None, None, None
+
+
+def rmsnorm(x, weight=None, eps: Optional[float] = 1e-6, residual=None):
+    """RMSNorm over the last dimension; ``(y, x + residual)`` when a residual is given.
+
+    x: (..., N) contiguous CUDA tensor, float32/float16/bfloat16.  weight: (N,),
+    float32 or x's dtype.  residual: like x.  eps: a finite real number >= 0,
+    or None for ``torch.nn.functional.rms_norm``'s default, the machine
+    epsilon of x's dtype.  Raises TypeError for a wrong dtype or eps type and
+    ValueError for a wrong device, shape, layout or eps value.
+    """
+    if eps.__class__ is not float or not 0.0 <= eps < math.inf:  # (the usual float, cheaply)
+        eps = _eps(eps, x)
+    result = NotImplemented if fastpath.tracing() else _FAST.call(3, x, weight, residual, eps)
+    if result is not NotImplemented:
+        return result
+    _validate(x, weight, residual)
+    backward = ti.will_backward(x, weight, residual)
+    # While torch.compile traces there are no addresses: the registered ops
+    # take their plans from the real tensors when the graph runs.
+    plan = None if torch.compiler.is_compiling() else plan_for(call_signature(x, weight, residual, backward))
+    if is_compile_only():
+        # Export every kernel of the plan (the launches are no-ops), the
+        # backward's too; a graph is built where autograd can run.
+        plan.warm()
+        backward = backward and autograd_available()
+    if backward:
+        return _RMSNormFunction.apply(x, weight, residual, eps, plan)
+    store_rstd = plan is not None and plan.signature.backward
+    with torch.no_grad():
+        y, h, _ = rmsnorm_fwd(x, weight, residual, eps, store_rstd=store_rstd, plan=plan)
+    if x.numel() > 0 and not store_rstd:
+        _FAST.remember((x, weight, residual), lambda: _inference_closure(plan, x.device, residual is not None))
+    return differentiable_outputs((y, h) if residual is not None else y, store_rstd)
+
+
+def _eps(eps, x) -> float:
+    """eps as the kernels take it (``row_config.check_eps``); None is the
+    machine epsilon of x's dtype, as in ``torch.nn.functional.rms_norm``."""
+    if eps is None and isinstance(x, torch.Tensor) and x.dtype.is_floating_point:
+        return torch.finfo(x.dtype).eps
+    return check_eps(eps)
+
+
+def _inference_closure(plan: Plan, device: torch.device, has_residual: bool):
+    """The eager fast path's launch for calls like this one (``quack/calls/fastpath.py``):
+    x, residual and both outputs go to the kernel as rows, unviewed."""
+    launch = fastpath.direct(plan, "forward", device, rows=frozenset((0, 2, 3, 4)))
+    out, none = fastpath.output, fastpath.NONE
+    if has_residual:  # launch(x, weight, residual, y, h, None, eps, None) -> (y, h)
+        return fastpath.like_closure(launch, 2, (0, 1, 2, out(0), out(1), none, 3, none))
+    return fastpath.like_closure(launch, 1, (0, 1, none, out(0), none, none, 3, none))  # -> y
+
+
+def rmsnorm_ref(x, weight=None, eps: Optional[float] = 1e-6, residual=None):
+    """fp32 reference with the same signature and return convention."""
+    eps = _eps(eps, x)
+    h = x.float() + residual.float() if residual is not None else x.float()
+    y = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    if weight is not None:
+        y = y * weight.float()
+    y = y.to(x.dtype)
+    return (y, h.to(x.dtype)) if residual is not None else y

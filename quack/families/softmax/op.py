@@ -1,0 +1,219 @@
+"""Softmax as a cached, torch-callable op: ``quack.softmax(x)``.
+
+    y = exp(x - max(x)) / sum(exp(x - max(x)))
+
+over the last dimension of x (shape (..., N), N up to 262144, any number of
+rows, float32/float16/bfloat16), with autograd (dx = y * (dy - sum(y * dy))).
+The statistics are fp32; y is rounded to x's dtype once.
+
+The kernels live in ``quack/families/softmax/kernels.py``; this file holds the cached
+compile functions (their arguments are the object key), the ``@cute_op`` ops,
+the allocating wrappers, the autograd Function, the public function and the
+fp32 reference ``softmax_ref`` that tests import.
+
+Test: ``pytest tests/test_softmax.py``; benchmark: ``python tools/bench/softmax.py``.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar, Optional
+
+import torch
+
+from quack.calls import torch_interop as ti
+from quack.cache import compile_options, jit_cache
+from quack.calls import fastpath
+from quack.compile_only import autograd_available, differentiable_outputs, is_compile_only
+from quack.calls.cute_op import cute_op
+from quack.calls.plan import Kernel, Plan, Signature, blame, fake_tensor, plan_for, signature
+from quack.rowwise.config import backward_config, forward_config
+
+MAX_N = 262144
+
+
+# This op's eager fast path (quack/calls/fastpath.py).
+_FAST = fastpath.Closures()
+
+
+@jit_cache("softmax")
+def compile_softmax_fwd(dtype: str, n: int, vec: int):
+    """Compile the forward kernel for one static specialisation (M is symbolic)."""
+    import cutlass.cute as cute
+
+    from quack.rowwise import device as rowwise
+    from quack.families.softmax.kernels import SoftmaxForward
+
+    dt = ti.cute_dtype(dtype)
+    cfg = forward_config(n, vec)
+    m = cute.sym_int()
+    return cute.compile(
+        SoftmaxForward(cfg), rowwise.fake_rows(dt, m, n, vec), rowwise.fake_rows(dt, m, n, vec),
+        cute.runtime.make_fake_stream(), options=compile_options(),
+    )
+
+
+@jit_cache("softmax")
+def compile_softmax_bwd(dtype: str, n: int, vec: int):
+    """Compile the backward kernel (y, dy and dx share one dtype)."""
+    import cutlass.cute as cute
+
+    from quack.rowwise import device as rowwise
+    from quack.families.softmax.kernels import SoftmaxBackward
+
+    dt = ti.cute_dtype(dtype)
+    cfg = backward_config(n, vec)
+    m = cute.sym_int()
+    rows = lambda: rowwise.fake_rows(dt, m, n, vec)  # noqa: E731
+    return cute.compile(
+        SoftmaxBackward(cfg), rows(), rows(), rows(), cute.runtime.make_fake_stream(),
+        options=compile_options(),
+    )
+
+
+@signature
+class SoftmaxCall(Signature):
+    """What decides a ``quack.softmax`` call's kernels: the dtype, N, the
+    forward's vector width and whether a backward will run."""
+
+    OP: ClassVar[str] = "softmax"
+    dtype: str
+    n: int
+    vec: int
+    backward: bool
+
+    def kernels(self):
+        forward = Kernel(compile_softmax_fwd, (self.dtype, self.n, self.vec))
+        if not self.backward:
+            return (("forward", forward),)
+        # The backward's inputs are realigned (ti.aligned): full vector width.
+        backward = Kernel(compile_softmax_bwd, (self.dtype, self.n, ti.full_width(self.n, self.dtype)))
+        return (("forward", forward), ("backward", backward))
+
+    def rebuild(self) -> "SoftmaxCall":
+        """The op's checks and signature of a call on one row of N (``plan.from_entry``):
+        x ``vec`` elements into its storage below the full vector width (its
+        alignment then gives that width)."""
+        with blame(self, "dtype"):
+            _validate(fake_tensor(self, "dtype", (1, 1)))
+        with blame(self, "n"):
+            _validate(fake_tensor(self, "dtype", (1, self.n)))
+        offset = self.vec if 0 < self.vec < ti.full_width(self.n, self.dtype) else 0
+        return call_signature(fake_tensor(self, "dtype", (1, self.n), offset), self.backward)
+
+
+def call_signature(x, backward: bool) -> SoftmaxCall:
+    """The signature of a call on x (the vector width from its alignment)."""
+    n = x.shape[-1]
+    return SoftmaxCall(ti.dtype_name(x.dtype), n, ti.vector_width(n, x), backward)
+
+
+def _launch_fwd(plan: Plan, x, out) -> None:
+    plan.kernel("forward")(x, out, ti.current_stream(x.device))
+
+
+def _launch_bwd(kernel: Kernel, y, dy, dx) -> None:
+    # The object runs at full vector width: realign what autograd handed us.
+    kernel.load()(ti.aligned(y), ti.aligned(dy), dx, ti.current_stream(y.device))
+
+
+# The registered ops, which torch.compile's graphs call: each takes its
+# kernel from its own (real) tensors.
+@cute_op("quack::softmax_fwd", mutates_args=("out",))
+def _softmax_fwd(x: torch.Tensor, out: torch.Tensor) -> None:
+    """Launch the forward kernel on 2-D (M, N) tensors."""
+    _launch_fwd(plan_for(call_signature(x, False)), x, out)
+
+
+@cute_op("quack::softmax_bwd", mutates_args=("dx",))
+def _softmax_bwd(y: torch.Tensor, dy: torch.Tensor, dx: torch.Tensor) -> None:
+    """Launch the backward kernel on 2-D (M, N) tensors (realigned for it)."""
+    dtype, n = ti.dtype_name(y.dtype), y.shape[1]
+    # The call as far as the backward sees it (the forward's vector width
+    # does not change the backward object).
+    plan = plan_for(SoftmaxCall(dtype, n, ti.full_width(n, dtype), True))
+    _launch_bwd(plan.kernel_of("backward"), y, dy, dx)
+
+
+def _validate(x) -> None:
+    ti.check_row_input("quack.softmax", "x", x, MAX_N)
+
+
+def softmax_fwd(x: torch.Tensor, plan: Optional[Plan] = None) -> torch.Tensor:
+    """Allocate y and run the forward.  ``plan``: the call's (eager); None
+    goes through the registered op (torch.compile, direct use)."""
+    n = x.shape[-1]
+    out = torch.empty_like(x)
+    x2 = ti.as_rows(x, n)
+    if x2.shape[0] > 0:
+        args = (x2, ti.as_rows(out, n))
+        _launch_fwd(plan, *args) if plan is not None else _softmax_fwd(*args)
+    return out
+
+
+def softmax_bwd(y: torch.Tensor, dy: torch.Tensor, plan: Optional[Plan] = None) -> torch.Tensor:
+    """Allocate dx and run the backward (dy is made contiguous in y's dtype)."""
+    n = y.shape[-1]
+    dy = dy.to(y.dtype).contiguous()
+    dx = torch.empty_like(y)
+    y2 = ti.as_rows(y, n)
+    if y2.shape[0] > 0:
+        args = (y2, ti.as_rows(dy, n), ti.as_rows(dx, n))
+        _launch_bwd(plan.kernel_of("backward"), *args) if plan is not None else _softmax_bwd(*args)
+    return dx
+
+
+class _SoftmaxFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, plan):
+        # Kernels take plain tensors (DLPack refuses ones that require grad).
+        y = softmax_fwd(x.detach(), plan)
+        ctx.plan = plan
+        ctx.save_for_backward(y)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        (y,) = ctx.saved_tensors
+        return softmax_bwd(y.detach(), dy, ctx.plan), None
+
+
+def softmax(x: torch.Tensor) -> torch.Tensor:
+    """Softmax over the last dimension.
+
+    x: (..., N) contiguous CUDA tensor, float32/float16/bfloat16, N <= 262144.
+    Returns y like x.  Differentiable.  Raises TypeError for a wrong dtype and
+    ValueError for a wrong device, shape or layout, before any launch.
+    """
+    y = NotImplemented if fastpath.tracing() else _FAST.call(1, x)
+    if y is not NotImplemented:
+        return y
+    _validate(x)
+    backward = ti.will_backward(x)
+    # While torch.compile traces there are no addresses: the registered ops
+    # take their kernels from the real tensors when the graph runs.
+    plan = None if torch.compiler.is_compiling() else plan_for(call_signature(x, backward))
+    if is_compile_only():
+        # Export every kernel of the plan (the launches are no-ops), the
+        # backward's too; a graph is built where autograd can run.
+        plan.warm()
+        backward = backward and autograd_available()
+    if backward:
+        return _SoftmaxFunction.apply(x, plan)
+    with torch.no_grad():
+        y = softmax_fwd(x, plan)
+    stores_for_backward = plan is not None and plan.signature.backward
+    if x.numel() > 0 and not stores_for_backward:
+        _FAST.remember((x,), lambda: _inference_closure(plan, x.device))
+    return differentiable_outputs(y, stores_for_backward)
+
+
+def _inference_closure(plan: Plan, device: torch.device):
+    """The eager fast path's launch for calls like this one (``quack/calls/fastpath.py``):
+    x and y go to the kernel as rows, unviewed."""
+    launch = fastpath.direct(plan, "forward", device, rows=frozenset((0, 1)))
+    return fastpath.like_closure(launch, 1, (0, fastpath.output(0), fastpath.NONE))  # launch(x, y, None)
+
+
+def softmax_ref(x: torch.Tensor) -> torch.Tensor:
+    """fp32 reference, rounded to x's dtype."""
+    return torch.softmax(x.float(), dim=-1).to(x.dtype)
