@@ -169,7 +169,7 @@ _RECORDER = textwrap.dedent(
     """
     import json, os, random, sys, threading, time
     sys.path[:0] = [os.environ["REPO"]]
-    from quack.calls import manifest
+    from quack.calls import manifest, plan, recording
     signatures = manifest.read(os.path.join(os.environ["REPO"], "tools", "configs", "production.jsonl"))
     deadline = time.monotonic() + float(os.environ["SECONDS"])
     counts = {"calls": 0, "errors": []}
@@ -178,7 +178,7 @@ _RECORDER = textwrap.dedent(
         rng = random.Random(seed)
         while time.monotonic() < deadline:
             try:
-                manifest.record(rng.choice(signatures))
+                recording.record(rng.choice(signatures), plan.entry_line)
                 counts["calls"] += 1
             except Exception as exc:
                 counts["errors"].append(f"{type(exc).__name__}: {exc}")

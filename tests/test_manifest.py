@@ -13,7 +13,7 @@ from cache_fixtures.env import cache_env  # noqa: F401  (fixture)
 
 import quack
 from quack.calls import plan
-from quack.calls import manifest
+from quack.calls import manifest, recording
 from quack.cache import CacheMissError
 from quack.compile_only import compile_only_mode
 from quack.families.cross_entropy.op import CrossEntropyCall
@@ -71,14 +71,14 @@ def test_a_last_line_cut_short_is_skipped(tmp_path):
     path.write_text(path.read_text() + '{"op": "softm')
     assert manifest.read(path) == SIGNATURES[:1]
     # The next recorder drops the cut line before adding its own.
-    manifest._append_once(str(path), plan.entry_line(SIGNATURES[2]))
+    recording._append_once(str(path), plan.entry_line(SIGNATURES[2]))
     assert "softm\n" not in path.read_text()
     assert manifest.read(path) == [SIGNATURES[0], SIGNATURES[2]]
 
 
 def _record_all(path: str, signatures: list) -> None:
     for sig in signatures:
-        manifest._append_once(path, plan.entry_line(sig))
+        recording._append_once(path, plan.entry_line(sig))
 
 
 def test_concurrent_recorders_write_each_line_once(tmp_path):
@@ -195,7 +195,7 @@ def test_recording_never_fails_the_call(tmp_path, monkeypatch, caplog):
     def broken(path, line):
         raise RuntimeError("something unforeseen")
 
-    monkeypatch.setattr(manifest, "_append_once", broken)
+    monkeypatch.setattr(recording, "_append_once", broken)
     monkeypatch.setenv(manifest.RECORD_ENV, str(tmp_path / "calls.jsonl"))
     for n in (17, 19):
         plan.plan_for(SoftmaxCall("float32", n, 1, False))
@@ -211,7 +211,7 @@ def _counting_reads(monkeypatch) -> list:
         reads.append(len(data))
         return data
 
-    monkeypatch.setattr(manifest.os, "pread", pread)
+    monkeypatch.setattr(recording.os, "pread", pread)
     return reads
 
 
@@ -231,28 +231,28 @@ def test_a_record_file_is_read_once_per_process(tmp_path, monkeypatch):
 def test_lines_another_process_appended_are_seen(tmp_path):
     path = str(tmp_path / "calls.jsonl")
     mine, theirs = SoftmaxCall("float32", 21, 1, False), SoftmaxCall("float32", 23, 1, False)
-    manifest._append_once(path, plan.entry_line(mine))  # this process has read the file
+    recording._append_once(path, plan.entry_line(mine))  # this process has read the file
     ctx = multiprocessing.get_context("spawn")
     other = ctx.Process(target=_record_all, args=(path, [theirs]))
     other.start()
     other.join()
     assert other.exitcode == 0
-    manifest._append_once(path, plan.entry_line(theirs))
+    recording._append_once(path, plan.entry_line(theirs))
     assert Path(path).read_text().splitlines() == [manifest.HEADER, plan.entry_line(mine), plan.entry_line(theirs)]
     # A file replaced under the same name is read anew.
     Path(path).unlink()
-    manifest._append_once(path, plan.entry_line(theirs))
+    recording._append_once(path, plan.entry_line(theirs))
     assert Path(path).read_text().splitlines() == [manifest.HEADER, plan.entry_line(theirs)]
 
 
 def test_what_a_recorder_remembers_is_bounded(tmp_path, monkeypatch):
-    monkeypatch.setattr(manifest, "MAX_SEEN", 4)
+    monkeypatch.setattr(recording, "MAX_SEEN", 4)
     record = tmp_path / "calls.jsonl"
     manifest.write(record, [SoftmaxCall("float32", n, 1, False) for n in range(1, 11)])
-    manifest._append_once(str(record), plan.entry_line(SoftmaxCall("float32", 99, 1, False)))
-    assert len(manifest._SEEN[str(record)].lines) == 4
+    recording._append_once(str(record), plan.entry_line(SoftmaxCall("float32", 99, 1, False)))
+    assert len(recording._SEEN[str(record)].lines) == 4
     # Past the bound a line may be written twice; readers drop the duplicate.
-    manifest._append_once(str(record), plan.entry_line(SoftmaxCall("float32", 9, 1, False)))
+    recording._append_once(str(record), plan.entry_line(SoftmaxCall("float32", 9, 1, False)))
     assert len(manifest.read(record)) == 11
 
 

@@ -92,12 +92,13 @@ def test_row_classes():
     # "loops": at least twice the row tiles of the grid the norm backward
     # launches, at every N, for every weight and with dh_out.
     from quack.rowwise import norm_backward_grid as norm_backward_plan
+    from quack.calls import torch_interop as ti
     from quack.rowwise import config as row_config
 
     for n in matrix.ROW_N:
         for dtype in (torch.float32, torch.float16, torch.bfloat16):
             elem = torch.empty((), dtype=dtype).element_size()
-            cfg = row_config.backward_config(n, row_config.vector_width(n, elem))
+            cfg = row_config.backward_config(n, ti.widest_vector(n, elem))
             m = matrix.rows("loops", n, dtype)
             for weight_bytes in (0, 4, elem):
                 for dh_out in (False, True):

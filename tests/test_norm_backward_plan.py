@@ -21,7 +21,7 @@ LENGTHS = [1, 7, 100, 1000, 4096, 4097, 16384, 65536, 65537, 131072, 262143, 262
 
 
 def _vec(n: int, row_bytes: int) -> int:
-    return rowwise.vector_width(n, row_bytes)
+    return ti.widest_vector(n, row_bytes)
 
 
 @pytest.mark.parametrize("n", LENGTHS)

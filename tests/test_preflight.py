@@ -72,7 +72,7 @@ def _preflight(capsys, *argv):
 def _entry(cache: Path, function: str) -> Path:
     """The object of the entry of ``function`` (read from the sidecars, not from preflight)."""
     (sidecar,) = [p for p in cache.glob("softmax/*.json")
-                  if json.loads(p.read_text())["key"]["function"] == f"quack.softmax.{function}"]
+                  if json.loads(p.read_text())["key"]["function"] == f"quack.families.softmax.op.{function}"]
     return sidecar.with_suffix(".o")
 
 

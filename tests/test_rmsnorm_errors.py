@@ -81,7 +81,7 @@ def test_the_kernel_gets_eps_as_a_float(eps, expected, monkeypatch):
 
 
 def test_vector_width_follows_n_and_alignment():
-    from quack.rowwise.device import vector_width
+    from quack.calls.torch_interop import widest_vector as vector_width
 
     assert vector_width(4096, 2, (0, 2), (256, 2)) == 8  # 16-byte vectors
     assert vector_width(4097, 2, (0, 2)) == 1  # odd N: element copies

@@ -309,8 +309,7 @@ def show_config(args) -> dict[str, Any]:
     import torch
 
     from . import key, native
-    from quack.calls import manifest
-    from .config import HOST_TARGET, lock_timeout, read_config
+    from .config import HOST_TARGET, RECORD_ENV, lock_timeout, read_config
     from quack.launch.launcher import launcher_kind
 
     config = read_config()
@@ -349,7 +348,7 @@ def show_config(args) -> dict[str, Any]:
             "QUACK_CACHE_STRICT": config.strict,
             "QUACK_CACHE_MAX_SIZE": config.max_size,
             "QUACK_CACHE_LOCK_TIMEOUT": lock_timeout(),
-            manifest.RECORD_ENV: os.environ.get(manifest.RECORD_ENV) or None,
+            RECORD_ENV: os.environ.get(RECORD_ENV) or None,
             "host_target": HOST_TARGET,
             "cache_format": key.CACHE_FORMAT_VERSION,
             "dsl_settings": key.dsl_settings(),

@@ -20,6 +20,8 @@ Variable               Type        Meaning (default)
 ``QUACK_CACHE_LOCK_TIMEOUT`` seconds  How long to wait for another process exporting the
                                    same kernel before giving up with an error naming
                                    its lock file and pid (``300``).
+``QUACK_CACHE_RECORD`` path        Append each call's signature to this manifest
+                                   (``quack/calls/recording.py``; not recorded).
 =====================  ==========  =====================================================
 """
 
@@ -33,10 +35,19 @@ from dataclasses import dataclass
 from pathlib import Path
 
 DEFAULT_ARCH = "sm_90a"
+RECORD_ENV = "QUACK_CACHE_RECORD"
 
 # A generic x86-64 host target makes the host half of an object identical on
 # every build machine; the native default bakes in the builder's CPU.
 HOST_TARGET = "llvm -mtriple=x86_64-unknown-linux-gnu -mcpu=x86-64"
+
+def arch_capability(arch: str) -> tuple[int, int]:
+    """(major, minor) of an arch string: "sm_90a" -> (9, 0), "sm_100a" -> (10, 0)."""
+    digits = arch.removeprefix("sm_").rstrip("abf")
+    if not digits.isdigit() or len(digits) < 2:
+        raise ValueError(f"not a GPU arch: {arch!r} (expected sm_XY, e.g. sm_90a)")
+    return int(digits[:-1]), int(digits[-1])
+
 
 _TRUE = {"1", "true", "yes", "on"}
 

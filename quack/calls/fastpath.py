@@ -28,7 +28,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from quack.launch import launcher
-from quack.calls import manifest
+from quack.calls import recording
 from quack.cache.mode import _COMPILE_ONLY_DEPTH, compile_only_active
 
 # A bound on the closures kept (each description is one shape; a process that
@@ -106,7 +106,7 @@ class Closures:
         described, while calls are recorded, or when ``make`` returns None: no
         direct launcher).  The closure takes the arguments ``call`` is given."""
         key = describe(*described)
-        if key is None or key in self._by_key or manifest.RECORD_ENV in os.environ:
+        if key is None or key in self._by_key or recording.RECORD_ENV in os.environ:
             return
         run = make()
         if run is None:

@@ -29,7 +29,7 @@ import threading
 from typing import Any, Callable, ClassVar, Iterator
 
 from quack.cache import CacheMissError
-from quack.calls import manifest
+from quack.calls import recording
 
 _SIGNATURES: dict[str, type] = {}  # op name -> signature class
 _PLANS: dict[Any, "Plan"] = {}
@@ -144,8 +144,8 @@ def plan_for(sig: Signature) -> Plan:
                 origin = entry_line(sig)
                 kernels = tuple((role, dataclasses.replace(k, origin=origin)) for role, k in sig.kernels())
                 plan = _PLANS[sig] = Plan(sig, kernels)
-    if manifest.RECORD_ENV in os.environ:
-        manifest.record(sig)
+    if recording.RECORD_ENV in os.environ:
+        recording.record(sig, entry_line)
     return plan
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 
 import torch
-from quack.rowwise import config as row_config
+from quack.cache.config import arch_capability
 from quack.compile_only import is_compile_only
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -45,7 +45,7 @@ def cute_dtype(name: str):
 def vector_width(n: int, x: torch.Tensor, *others: torch.Tensor | None) -> int:
     """Elements per vector copy of x's rows that every tensor of the launch
     (None entries skipped) can use: 16 bytes of x's dtype when N and every
-    base pointer allow it, fewer otherwise (see row_config.vector_width)."""
+    base pointer allow it, fewer otherwise (see ``widest_vector``)."""
     present = (x, *(t for t in others if t is not None))
     if not is_compile_only():
         # The usual case, cheaply: real tensors, every base 16-byte aligned.
@@ -54,13 +54,13 @@ def vector_width(n: int, x: torch.Tensor, *others: torch.Tensor | None) -> int:
             addresses |= t.data_ptr()
         if not addresses & 15:
             return math.gcd(n, 16 // x.element_size())
-    return row_config.vector_width(n, x.element_size(), *((address(t), t.element_size()) for t in present))
+    return widest_vector(n, x.element_size(), *((address(t), t.element_size()) for t in present))
 
 
 def full_width(n: int, dtype: str) -> int:
     """The vector width of rows of N ``dtype`` values whose tensors are all
     16-byte aligned (``aligned``): what a backward kernel is compiled for."""
-    return row_config.vector_width(n, _ELEMENT_BYTES[dtype])
+    return widest_vector(n, _ELEMENT_BYTES[dtype])
 
 
 def aligned(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -193,18 +193,20 @@ def check_param(name: str, t: torch.Tensor | None, x: torch.Tensor) -> None:
         raise ValueError(f"{name} must have shape ({x.shape[-1]},), got {tuple(t.shape)}")
 
 
+def widest_vector(n: int, element_bytes: int, *tensors: tuple[int, int]) -> int:
+    """Elements per vector copy: the most (at most 16 bytes of the row's dtype)
+    that divide N and keep every ``(address, element_bytes)`` tensor aligned
+    to its copy size (capped at 16 bytes).  1 for odd N with 16-bit data."""
+    vec = math.gcd(n, 16 // element_bytes)
+    while vec > 1 and any(addr % min(16, vec * size) for addr, size in tensors):
+        vec //= 2
+    return vec
+
+
 def check_rows(name: str, m: int) -> None:
     """At most ``MAX_ROWS`` rows: the kernels index rows with 32-bit integers."""
     if m > MAX_ROWS:
         raise ValueError(f"{name} has {m} rows; the kernels index rows with 32 bits (at most 2^31 - 2^16 rows)")
-
-
-def arch_capability(arch: str) -> tuple[int, int]:
-    """(major, minor) of an arch string: "sm_90a" -> (9, 0), "sm_100a" -> (10, 0)."""
-    digits = arch.removeprefix("sm_").rstrip("abf")
-    if not digits.isdigit() or len(digits) < 2:
-        raise ValueError(f"not a GPU arch: {arch!r} (expected sm_XY, e.g. sm_90a)")
-    return int(digits[:-1]), int(digits[-1])
 
 
 _CAPABILITIES: dict[int, tuple[int, int]] = {}

@@ -45,7 +45,7 @@ from typing import Iterator
 import torch
 from torch.overrides import TorchFunctionMode
 
-from quack.cache.config import DEFAULT_ARCH
+from quack.cache.config import DEFAULT_ARCH, arch_capability
 
 # Whether compile-only mode can run autograd and the GPU idioms: a CUDA build of torch.
 CUDA_BUILD = torch.version.cuda is not None
@@ -62,7 +62,6 @@ ASKED_FROM: set[str] = set()
 
 def _target_capability() -> tuple[int, int]:
     """(major, minor) of the compile target (``QUACK_ARCH``, else sm_90a); never a GPU query."""
-    from quack.calls.torch_interop import arch_capability
 
     return arch_capability(os.environ.get("QUACK_ARCH", "").strip() or DEFAULT_ARCH)
 

@@ -112,16 +112,6 @@ def backward_config(n: int, vec: int) -> RowConfig:
     return RowConfig.for_row(n, vec, max_values=BACKWARD_VALUES_PER_THREAD)
 
 
-def vector_width(n: int, element_bytes: int, *tensors: tuple[int, int]) -> int:
-    """Elements per vector copy: the most (at most 16 bytes of the row's dtype)
-    that divide N and keep every ``(address, element_bytes)`` tensor aligned
-    to its copy size (capped at 16 bytes).  1 for odd N with 16-bit data."""
-    vec = math.gcd(n, 16 // element_bytes)
-    while vec > 1 and any(addr % min(16, vec * size) for addr, size in tensors):
-        vec //= 2
-    return vec
-
-
 def check_eps(eps) -> float:
     """A norm's eps as its kernels take it (an fp32 launch argument): a real
     number, finite and >= 0 (0 allowed, as torch does).  TypeError for

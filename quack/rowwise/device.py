@@ -46,7 +46,6 @@ from quack.rowwise.config import (  # noqa: E402  (re-exported for the kernel mo
     RowConfig,
     backward_config,
     forward_config,
-    vector_width,
 )
 
 

@@ -355,7 +355,7 @@ def rows(m_class: str, n: int, dtype: torch.dtype) -> int:
     from quack.calls import torch_interop as ti
 
     elem = torch.empty((), dtype=dtype).element_size()
-    cfg = row_config.backward_config(n, row_config.vector_width(n, elem))
+    cfg = row_config.backward_config(n, ti.widest_vector(n, elem))
     # At most THREADS_PER_SM // threads CTAs of a backward fit on an SM.
     resident_tiles = ti.sm_count(0) * (norm_backward_plan.THREADS_PER_SM // cfg.threads) // cfg.cluster_n
     return 3 * resident_tiles * cfg.rows_per_cta + 5
