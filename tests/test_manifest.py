@@ -204,7 +204,7 @@ def test_recording_never_fails_the_call(tmp_path, monkeypatch, caplog):
 
 def _counting_reads(monkeypatch) -> list:
     reads = []
-    real = manifest.os.pread
+    real = recording.os.pread
 
     def pread(fd, size, offset):
         data = real(fd, size, offset)
