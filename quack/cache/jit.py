@@ -26,7 +26,6 @@ import contextlib
 import functools
 import inspect
 import logging
-import sys
 import tempfile
 import threading
 import time
@@ -409,6 +408,15 @@ def _miss_message(req: Request) -> str:
     )
 
 
+_ON_CLEAR: list[Callable[[], None]] = []
+
+
+def on_clear(forget: Callable[[], None]) -> None:
+    """Have ``clear`` call ``forget``: a layer above the cache that keeps
+    loaded handles registers how to drop them (the cache imports no layer above it)."""
+    _ON_CLEAR.append(forget)
+
+
 def clear(*, disk: bool = False) -> None:
     """Forget in-process handles (the ops' fast-path closures too), warnings and stats (not the source hashes
     of imported modules: they describe the code this process runs).
@@ -425,8 +433,7 @@ def clear(*, disk: bool = False) -> None:
         _WARNED.clear()
         _LAYER_BYTES.clear()
     stats.reset()
-    fastpath = sys.modules.get("quack.calls.fastpath")  # the ops' closures hold loaded handles
-    if fastpath is not None:
-        fastpath.clear()
+    for forget in _ON_CLEAR:  # the layers above that hold loaded handles (the fast path's closures)
+        forget()
     if disk:
         maintenance.clear(Layer(read_config().writable_dir, "writable", True))

@@ -29,6 +29,7 @@ import torch
 
 from quack.launch import launcher
 from quack.calls import recording
+from quack.cache import jit
 from quack.cache.mode import _COMPILE_ONLY_DEPTH, compile_only_active
 
 # A bound on the closures kept (each description is one shape; a process that
@@ -156,3 +157,6 @@ def clear() -> None:
     they hold loaded kernels)."""
     for table in _TABLES:
         table.clear()
+
+
+jit.on_clear(clear)
