@@ -3,7 +3,7 @@ layout decision needs no GPU; tests/test_gemm.py runs the backward itself)."""
 
 import torch
 
-from quack.families.gemm.op import kernel_ready
+from quack.families.gemm.operands import kernel_ready
 
 
 def test_unaligned_contiguous_gradient_is_copied_to_an_aligned_one():

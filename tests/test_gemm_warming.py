@@ -12,7 +12,8 @@ from cache_fixtures.env import cache_env  # noqa: F401  (fixture)
 
 import quack
 from quack.compile_only import compile_only_mode
-from quack.families.gemm.op import GROUP_CLASSES, LARGE_GROUP_ROWS, GemmCall, gemm_config
+from quack.families.gemm.config import GROUP_CLASSES, LARGE_GROUP_ROWS, gemm_config
+from quack.families.gemm.signature import GemmCall
 from quack.calls.plan import plan_for
 
 

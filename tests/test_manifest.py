@@ -17,7 +17,7 @@ from quack.calls import manifest, recording
 from quack.cache import CacheMissError
 from quack.compile_only import compile_only_mode
 from quack.families.cross_entropy.op import CrossEntropyCall
-from quack.families.gemm.op import GemmCall
+from quack.families.gemm.signature import GemmCall
 from quack.families.layernorm.op import LayerNormCall
 from quack.families.rmsnorm.op import RMSNormCall
 from quack.families.softmax.op import SoftmaxCall

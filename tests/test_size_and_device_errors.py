@@ -13,7 +13,7 @@ from quack.calls import plan
 from quack.calls import torch_interop as ti
 from quack.cache import stats
 from quack.families.cross_entropy.op import CrossEntropyCall
-from quack.families.gemm.op import GemmCall
+from quack.families.gemm.signature import GemmCall
 from quack.families.layernorm.op import LayerNormCall
 from quack.families.rmsnorm.op import RMSNormCall
 from quack.families.softmax.op import SoftmaxCall

@@ -27,7 +27,8 @@ import cutlass  # noqa: E402,F401
 
 from quack import cache  # noqa: E402
 from quack.cache.source_hash import module_source_hash  # noqa: E402
-from quack.families.gemm.op import GemmConfig, compile_gemm, gemm_config  # noqa: E402
+from quack.families.gemm.config import GemmConfig, gemm_config  # noqa: E402
+from quack.families.gemm.signature import compile_gemm  # noqa: E402
 from quack.families.rmsnorm.op import compile_rmsnorm_bwd, compile_rmsnorm_fwd  # noqa: E402
 
 CONFIGS = {

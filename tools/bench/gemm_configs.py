@@ -22,7 +22,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 import torch  # noqa: E402
 
-from quack.families.gemm.op import GemmConfig, launch_gemm  # noqa: E402
+from quack.families.gemm.config import GemmConfig  # noqa: E402
+from quack.families.gemm.product import launch_gemm  # noqa: E402
 
 CONFIGS = [
     GemmConfig(cluster_m=2, cluster_n=1, band=8),

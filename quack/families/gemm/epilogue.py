@@ -5,7 +5,7 @@ their derivatives in fp32 before its one rounding), their torch definitions
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -19,25 +19,31 @@ GATED = {"swiglu": "silu", "geglu": "gelu_tanh", "reglu": "relu"}
 DERIVATIVES = tuple(f"d{name}" for name in (*ACTIVATIONS[1:], *GATED))
 
 
-def parse_epilogue(name: Optional[str]) -> tuple[Optional[str], bool, bool]:
-    """A kernel epilogue's (activation applied to each value, gated?,
-    derivative?): "dswiglu" -> ("silu", True, True)."""
+class Epilogue(NamedTuple):
+    """A kernel epilogue's name, parsed once: the activation applied to each
+    value, whether it is gated, whether it is a derivative."""
+
+    activation: Optional[str]
+    gated: bool
+    derivative: bool
+
+    def out_columns(self, n: int) -> int:
+        """D's columns for an accumulator of ``n``: halved by a gate, doubled
+        by a gate's derivative."""
+        if not self.gated:
+            return n
+        return 2 * n if self.derivative else n // 2
+
+
+def parse_epilogue(name: Optional[str]) -> Epilogue:
+    """"dswiglu" -> Epilogue("silu", gated=True, derivative=True)."""
     if name is None:
-        return None, False, False
+        return Epilogue(None, False, False)
     derivative = name in DERIVATIVES
     base = name[1:] if derivative else name
     if base not in GATED and base not in ACTIVATIONS:
         raise ValueError(f"unknown GEMM epilogue {name!r}")
-    return GATED.get(base, base), base in GATED, derivative
-
-
-def out_columns(epilogue: Optional[str], n: int) -> int:
-    """D's columns for an accumulator of ``n``: halved by a gate, doubled by
-    a gate's derivative."""
-    _, gated, derivative = parse_epilogue(epilogue)
-    if not gated:
-        return n
-    return 2 * n if derivative else n // 2
+    return Epilogue(GATED.get(base, base), base in GATED, derivative)
 
 
 TORCH_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {

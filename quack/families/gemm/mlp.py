@@ -24,9 +24,14 @@ import torch
 
 from quack.calls import torch_interop as ti
 from quack.compile_only import autograd_available, differentiable_outputs
-from quack.families.gemm.op import (_ALIGN_ELEMENTS, _check_call, _operands, _plan, _product, check_activation_type, gemm,
-                        gemm_glu, input_grads, kernel_ready)
+from quack.families.gemm.autograd import input_grads
+from quack.families.gemm.config import call_grouping
 from quack.families.gemm.epilogue import ACTIVATIONS, GATED
+from quack.families.gemm.op import gemm, gemm_glu
+from quack.families.gemm.operands import (check_activation_type, check_b, check_call, check_gated_columns,
+                                          kernel_operands, kernel_ready)
+from quack.families.gemm.product import product
+from quack.families.gemm.signature import plan_of
 
 MLP_ACTIVATIONS = (*ACTIVATIONS[1:], *GATED)
 
@@ -43,14 +48,14 @@ def mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, activation: str = "
     if activation not in MLP_ACTIVATIONS:
         raise ValueError(f"activation must be one of {MLP_ACTIVATIONS}, got {activation!r}")
     gated = activation in GATED
-    _check_call("quack.mlp", x, w1, None, cu_seqlens_m, None)
-    if gated and w1.shape[-1] % (2 * _ALIGN_ELEMENTS):
-        raise ValueError(f"w1's {w1.shape[-1]} columns must be 2 H with H a multiple of {_ALIGN_ELEMENTS} (TMA)")
+    check_call("quack.mlp", x, w1, None, cu_seqlens_m, None)
+    if gated:
+        check_gated_columns("w1", w1, "H")
     ti.check_float("w2", w2, (x.dtype,))
     hidden = w1.shape[-1] // 2 if gated else w1.shape[-1]
     if w2.shape[-2] != hidden:
         raise ValueError(f"w2 must have {hidden} rows (the hidden layer's width), got shape {tuple(w2.shape)}")
-    _check_call("quack.mlp", x.new_empty(1).expand(x.shape[0], hidden), w2, None, cu_seqlens_m, None)
+    check_b(w2, x, (x.shape[0], hidden), cu_seqlens_m)
     if not ti.will_backward(x, w1, w2):
         h = (gemm_glu if gated else gemm)(x, w1, activation=activation, cu_seqlens_m=cu_seqlens_m)
         return gemm(h, w2, cu_seqlens_m=cu_seqlens_m)
@@ -65,25 +70,19 @@ def mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, activation: str = "
 
 def _forward(x, w1, w2, cu, activation):
     """y and what the backward reads: (x, W1 as (L, K, H'), W2 as (L, H, N), Z, H)."""
-    grouping = "dense" if cu is None else "varlen_m"
-    first = _operands(x.detach(), w1.detach(), x.dtype, cu, grouping, None, activation, backward=True)
-    h = _product(first, cu, _plan(first, cu, backward=True))
-    second = _operands(h, w2.detach(), x.dtype, cu, grouping)
-    y = _product(second, cu)
-    return y, (first.a, _kn(first), _kn(second), first.preact, h)
-
-
-def _kn(ops) -> torch.Tensor:
-    """B as (L, K, N), the view its kernel read."""
-    return ops.b3 if ops.b_n_major else ops.b3.transpose(-1, -2)
+    grouping = call_grouping(cu)
+    first = kernel_operands(x.detach(), w1.detach(), x.dtype, cu, grouping, None, activation, backward=True)
+    h = product(first, cu, plan_of(first, backward=True))
+    second = kernel_operands(h, w2.detach(), x.dtype, cu, grouping)
+    y = product(second, cu)
+    return y, (first.a, first.b_kn, second.b_kn, first.preact, h)
 
 
 def _backward(dy, x, w1_kn, w2_kn, z, h, cu, activation, wants):
     """(dx, dW1, dW2): dZ in one GEMM with the derivative's epilogue, then three plain ones."""
-    grouping = "dense" if cu is None else "varlen_m"
     dy = kernel_ready(dy, x.dtype)
-    dz = _product(_operands(dy, w2_kn.transpose(-1, -2), x.dtype, cu, grouping, None, f"d{activation}",
-                            preact=z), cu)
+    dz = product(kernel_operands(dy, w2_kn.transpose(-1, -2), x.dtype, cu, call_grouping(cu), None,
+                                 f"d{activation}", preact=z), cu)
     _, dw2 = input_grads(dy, h, None, cu, False, wants[2], w2_kn.dtype)
     dx, dw1 = input_grads(dz, x, w1_kn, cu, wants[0], wants[1], w1_kn.dtype)
     return dx, dw1, dw2

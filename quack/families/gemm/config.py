@@ -1,0 +1,85 @@
+"""The GEMM's configuration decisions on the host: tile and cluster shapes,
+groupings, and how many clusters a persistent grid keeps resident.
+
+Tile configuration (``gemm_config``): 128 x 256 x 64 tiles, two consumer
+warpgroups, clusters of two CTAs along M sharing each B tile, output tiles
+walked in bands of 8 cluster columns.  A varlen GEMM with few rows per group
+on average (below ``LARGE_GROUP_ROWS``) pairs CTAs along N instead (sharing
+each A tile): a cluster then spans 128 rows, not 256, and the partial tile at
+the end of each group wastes half as much.  N <= 128 uses 128 x 128 tiles so
+that half of each tile is not wasted.  Measured in
+tools/bench/gemm_configs.py; no autotuning happens at call time.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+
+from quack.calls import occupancy
+from quack.families.gemm.threads import cta_threads
+
+ALIGN_ELEMENTS = 8  # TMA: 16 bytes of a 16-bit dtype
+LARGE_GROUP_ROWS = 2048  # varlen: from this many rows per group on, clusters pair CTAs along M
+
+# dense; grouped by rows (cu_seqlens_m); grouped along K (cu_seqlens_k).
+GROUPINGS = ("dense", "varlen_m", "varlen_k")
+# A varlen-M plan holds one object per class of rows per group: which one
+# runs depends on a runtime size (and on a sentinel under compile-only).
+GROUP_CLASSES = (("small_groups", 1.0), ("large_groups", float(LARGE_GROUP_ROWS)))
+
+
+class GemmConfig(NamedTuple):
+    """Static tile configuration: part of the object key."""
+
+    tile_m: int = 128
+    tile_n: int = 256
+    cluster_m: int = 2
+    cluster_n: int = 1
+    band: int = 8
+
+
+def gemm_config(n: int, rows_per_group: Optional[float] = None) -> GemmConfig:
+    """The documented heuristic (see the module docstring); ``rows_per_group``
+    is total_M / G for a varlen GEMM, None for a dense one."""
+    tile_n = 128 if n <= 128 else 256
+    if rows_per_group is not None and rows_per_group < LARGE_GROUP_ROWS:
+        # Pair CTAs along N: a cluster then spans 128 rows, not 256, and the
+        # partial tile that ends each group wastes half as much.
+        return GemmConfig(tile_n=tile_n, cluster_m=1, cluster_n=2)
+    return GemmConfig(tile_n=tile_n)
+
+
+def group_class(rows_per_group: float) -> str:
+    """The role, among ``GROUP_CLASSES``, of the object a varlen-M call runs."""
+    small, large = GROUP_CLASSES
+    return small[0] if rows_per_group < LARGE_GROUP_ROWS else large[0]
+
+
+def call_grouping(cu_seqlens_m: Optional[torch.Tensor], cu_seqlens_k: Optional[torch.Tensor] = None) -> str:
+    """A call's grouping from its offsets (the checks allow one at most)."""
+    if cu_seqlens_m is not None:
+        return "varlen_m"
+    return "varlen_k" if cu_seqlens_k is not None else "dense"
+
+
+def kernel_grouping(out: torch.Tensor, cu_seqlens: Optional[torch.Tensor]) -> str:
+    """The grouping of the kernel's arguments, which carry one offsets tensor:
+    varlen K writes G stacked (M, N) products."""
+    if cu_seqlens is None:
+        return "dense"
+    return "varlen_k" if out.dim() == 3 else "varlen_m"
+
+
+def weight_grad_grouping(grouping: str) -> str:
+    """The grouping of dB = Aᵀ @ dC: over each group's rows for grouped rows
+    (a variable-length K)."""
+    return "varlen_k" if grouping == "varlen_m" else "dense"
+
+
+def resident_clusters(cfg: GemmConfig, device: torch.device) -> int:
+    """The persistent grid's clusters: one CTA per SM (the tiles' shared memory)."""
+    return occupancy.resident_clusters(
+        device.index or 0, cta_threads(cfg.tile_m), cfg.cluster_m * cfg.cluster_n, ctas_per_sm=1
+    )
