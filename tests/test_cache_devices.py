@@ -1,4 +1,4 @@
-"""Per-device bookkeeping of kernel handles, on the CPU (the two-GPU run is issue 21's)."""
+"""Per-device bookkeeping of kernel handles, on the CPU (test_two_gpus.py runs it on two GPUs)."""
 
 import contextlib
 import inspect

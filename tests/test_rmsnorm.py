@@ -91,7 +91,7 @@ def test_mixed_precision_backward(dtype, n, weight, residual):
 def test_one_column_gradient_is_accurate_where_its_terms_cancel(eps, compiled):
     # At N = 1, dx = dy * eps * rstd^3, far below dy * rstd once x^2 >> eps:
     # computed as rstd * (dy - x̂^2 dy) it scaled rstd's rounding by
-    # 1 / (1 - x̂^2) (issue 16).  |x| from 1e-4 to 10 spans both regimes; an
+    # 1 / (1 - x̂^2).  |x| from 1e-4 to 10 spans both regimes; an
     # eps other than the default checks that the backward gets the call's.
     # (96, 1) built elementwise: fake CUDA tensors take no views.
     i = torch.arange(96, device="cuda", dtype=torch.float64).as_strided((96, 1), (1, 1))

@@ -17,7 +17,7 @@ from quack.cache import jit
 
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs (issue 21)"),
+    pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs"),
 ]
 
 N = 4096

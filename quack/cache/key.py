@@ -6,8 +6,9 @@ compile options, the static arguments, ``CACHE_FORMAT_VERSION`` and the CuTe DSL
 environment settings that the DSL marks as changing generated code
 (``dsl_settings``: debug, line info, assertions, compiler options, ...). Excluded on
 purpose: Python and torch versions, hostname, checkout path, batch size -- none of
-them changes the bytes (see BUILD_ENV.md), and including them would split the
-cache between machines that could share it.
+them changes the bytes (with a fixed host target, the same kernel compiled under
+two Python versions on two machines gives identical objects), and including them
+would split the cache between machines that could share it.
 """
 
 from __future__ import annotations

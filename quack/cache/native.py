@@ -1,7 +1,7 @@
 """The two calls into the CuTe DSL runtime: export a compiled function, load an object.
 
 Kept apart from the lookup logic so tests can replace them, and so ``import
-quack.cache`` does not import cutlass (2 to 3 s) until a kernel is needed.
+quack.cache`` does not import cutlass (seconds) until a kernel is needed.
 
 Loading goes through the DSL runtime library's C loader
 (``CuteDSLRT_Module_Create_From_Bytes`` in ``libcute_dsl_runtime.so``, found

@@ -1,8 +1,8 @@
-"""A thin launcher over an exported object's C entry point: about a microsecond a call.
+"""A thin launcher over an exported object's C entry point: one C call per launch, no DLPack.
 
 Calling a ``JitCompiledFunction`` converts every torch tensor through DLPack
-and re-validates the argument spec on each call (about 40 us for three
-arguments, over 250 us for eight).  The object's host entry point itself only
+and re-validates the argument spec on each call, a cost that grows with the
+number of arguments.  The object's host entry point itself only
 wants an array of pointers: one per present argument (a small struct per
 tensor: data pointer, then its dynamic shapes, then its dynamic strides; a
 scalar's address; the stream's address), then the executor's trailing slots.

@@ -185,7 +185,7 @@ class NormBackward:
                     dx = dx + rowwise.slice_vector(tiles[2], None, v)
                 rowwise.part(tXrDx, v).store(dx.to(mDx.element_type))
                 cute.copy(atom_dx, rowwise.part(tXrDx, v), rowwise.part(tXgDx, v), pred=rowwise.part(tXpX, v))
-                # Here, not in the first pass (H200: 87 -> 83% of copy at N=16K).
+                # Here, not in the first pass, where accumulating measured slower.
                 # Rows past M hold stale staged values: they add nothing.
                 if in_rows:
                     if const_expr(dw is not None):
@@ -223,8 +223,7 @@ class NormBackward:
             # product's rounding error, times rstd (up to 1/sqrt(eps)).
             # "+ 0.0" rounds the product on its own, the same in both passes.
             # Only here: at other N the fused form is as accurate and one
-            # instruction cheaper (BENCHMARKS.md, "Plans and the N = 1 norm
-            # backwards").
+            # instruction cheaper, and rounding everywhere slowed the backwards.
             return x_hat, dy, dy * w + 0.0
         return x_hat, dy, dy * w
 

@@ -33,10 +33,10 @@ def pipeline_plan(cfg: RowConfig, row_bytes: int, weight_bytes: int, inputs: int
     """(stages of the tile pipeline, where the weight slice lives): the first
     of these that fits the shared memory: two stages with the weight staged,
     then held in registers (16-bit weights, ``REGISTER_WEIGHT_BYTES``: with
-    dh_out at N = 256K, 93 -> 98-101% of copy on the H200 against one
-    stage); one stage (unpipelined) with the weight staged, then read from L2.
+    dh_out at large N, two stages and the weight in registers beat one stage);
+    one stage (unpipelined) with the weight staged, then read from L2.
     Measured and not kept: a third stage with the weight in registers where
-    two leave one CTA per SM (LayerNorm N = 256K 71 -> 54%)."""
+    two leave one CTA per SM (slower: occupancy matters more there)."""
     in_registers = cfg.vecs_per_thread * cfg.vec * weight_bytes <= REGISTER_WEIGHT_BYTES
     for stages, place in ((2, SMEM), (2, REGISTERS), (1, SMEM), (1, L2)):
         if place == REGISTERS and not in_registers:

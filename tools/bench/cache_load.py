@@ -4,7 +4,7 @@
 
 For each configuration of the family: compile and export it into a fresh writable
 layer (timed), drop the in-process memory, then look it up again so it is
-loaded from disk (timed).  Both after ``import cutlass`` (2 to 3 s, paid once)
+loaded from disk (timed).  Both after ``import cutlass`` (seconds, paid once)
 and after the family's source hash is known: hashing the family's sources
 (parsing its import closure) is paid once per family and process, and is
 reported on its own line.

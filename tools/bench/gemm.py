@@ -5,7 +5,7 @@
 Dense bf16 (M, K) @ (K, N) with bf16 output; the backward's two products on
 the same views autograd hands them (dA = dC @ Bᵀ, B's other layout, and
 dB = Aᵀ @ dC, an M-contiguous A), against cuBLAS on those views; the
-grouped (variable-length M) products of issue 8: 8 groups of 2048 rows and
+grouped (variable-length M) products of a mixture of experts: 8 groups of 2048 rows and
 64 uneven groups summing to 32768 rows, K = N = 4096, forward, dA and dB
 (the variable-length-K product); the fused activation and gated (gemm_glu)
 epilogues against the plain GEMM and torch.  The grouped references are ``torch._grouped_mm``

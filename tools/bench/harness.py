@@ -4,8 +4,8 @@ Each family script gives a list of cases (name, shape, callables for ours,
 torch eager and torch.compile, bytes moved); the harness times them with
 ``triton.testing.do_bench`` (median, L2 flushed between runs), measures a
 device-to-device copy of at least 1 GiB in the same process as the reference,
-prints a table and writes a PNG plot.  Bytes are counted as ARCHITECTURE.md's
-"Measuring bandwidth" says: tensors that must be read plus written, once each.
+prints a table and writes a PNG plot.  Bytes are counted as BENCHMARKS.md's
+"How we measure" says: tensors that must be read plus written, once each.
 The GEMM scripts reuse its timing (``bench_ms``, ``interleaved_ms``) and ``plot``.
 """
 

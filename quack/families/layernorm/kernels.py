@@ -9,7 +9,7 @@ squared deviations of its values in one pass, from sums of x - (one of its
 own values); those triples are merged over the row in one exchange (Chan et
 al.'s pairwise update), so the variance stays accurate for rows with a large
 mean without a second pass or row reduction (a second pass over a staged
-slice cost 2-4 points of copy bandwidth at 64K / 256K, and spilled).  Padded
+slice was slower on long rows, and spilled).  Padded
 columns are zeroed after the shift.  Writes y and, for a
 backward pass, mean and rstd (fp32).
 
