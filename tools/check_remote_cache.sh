@@ -79,30 +79,9 @@ run_bazel() {
 }
 
 # spawn_field NAME FIELD: of the QuackWarmCache spawns in NAME's execution log: "ran" (how many
-# ran: no cache hit), "hit" (remote cache hits), "time" (total seconds of their metrics).
-spawn_field() {
-  python3 - "$work/$1.exec.json" "$2" <<'PY'
-import json, sys
-text, field = open(sys.argv[1]).read(), sys.argv[2]
-dec, pos, spawns = json.JSONDecoder(), 0, []
-while pos < len(text):
-    while pos < len(text) and text[pos].isspace():
-        pos += 1
-    if pos >= len(text):
-        break
-    spawn, pos = dec.raw_decode(text, pos)
-    if spawn.get("mnemonic") == "QuackWarmCache":
-        spawns.append(spawn)
-if field == "ran":
-    print(sum(1 for s in spawns if not s.get("cacheHit")))
-elif field == "hit":
-    print(sum(1 for s in spawns if s.get("cacheHit") and s.get("runner") == "remote cache hit"))
-elif field == "count":
-    print(len(spawns))
-elif field == "time":
-    print("%.3f" % sum(float(s.get("metrics", {}).get("totalTime", "0s").rstrip("s")) for s in spawns))
-PY
-}
+# ran: no cache hit), "hit" (remote cache hits), "count" (all), "time" (total seconds of their
+# metrics); tools/bazel_support/exec_log.py reads the log.
+spawn_field() { python3 "$ws/tools/bazel_support/exec_log.py" "$work/$1.exec.json" QuackWarmCache "$2"; }
 
 # objects CHECKOUT BASE OUT [FAMILY]: the warm_cache outputs' digests (one family's only, when
 # given) into OUT; every object and sidecar verified against the manifest's sha256 (the objects the
@@ -224,46 +203,7 @@ echo "   test PASSED ($c_pytest) in ${c_test_wall}s; server during test: $c_test
 
 # --- remote execution readiness ------------------------------------------------------------------
 log "remote execution readiness (A's execution log and outputs)"
-python3 - "$work/a.exec.json" "$a" <<'PY' || fail "readiness: see above"
-import json, os, sys, glob
-text, checkout = open(sys.argv[1]).read(), sys.argv[2]
-dec, pos, spawns = json.JSONDecoder(), 0, []
-while pos < len(text):
-    while pos < len(text) and text[pos].isspace():
-        pos += 1
-    if pos >= len(text):
-        break
-    s, pos = dec.raw_decode(text, pos)
-    if s.get("mnemonic") == "QuackWarmCache":
-        spawns.append(s)
-problems = []
-families = {}
-for s in spawns:
-    inputs = [i["path"] for i in s["inputs"]]
-    words = s["commandArgs"] + [e["value"] for e in s.get("environmentVariables", [])]
-    problems += ["absolute input %s" % p for p in inputs if p.startswith("/")]
-    problems += ["absolute path in command/env: %s" % w for w in words if w.startswith("/") or "=/" in w]
-    if not s.get("remotable", True) or not s.get("remoteCacheable", True):
-        problems.append("%s is not remotable" % s["targetLabel"])
-    # Every module of the package that the action may import is a declared input (other kernel
-    # families' modules are left out on purpose).
-    family = s["targetLabel"].rsplit("warm_cache_", 1)[-1]
-    for path in glob.glob(os.path.join(checkout, "quack/**/*.py"), recursive=True):
-        rel = os.path.relpath(path, checkout)
-        parts = rel.split("/")
-        owner = parts[2] if len(parts) > 3 and parts[1] == "families" else None
-        if owner not in (None, family):
-            continue
-        if rel not in inputs:
-            problems.append("%s: module %s is not a declared input" % (s["targetLabel"], rel))
-    for need in ("tools/warm_cache.py", "requirements_lock.txt", "tools/configs/production.jsonl", "tests/test_%s.py" % family):
-        if need not in inputs:
-            problems.append("%s: %s is not a declared input" % (s["targetLabel"], need))
-    print("   %s: %d declared inputs, all relative; command and environment relative" % (s["targetLabel"], len(inputs)))
-for p in problems:
-    print("   problem: " + p)
-sys.exit(1 if problems else 0)
-PY
+python3 "$ws/tools/bazel_support/remote_readiness.py" "$work/a.exec.json" "$a" || fail "readiness: see above"
 mapfile -t dirs_a < <(warm_cache_dirs "$a" "$work/base-a" "${SMOKE[@]}")
 for p in "$a" "$work/base-a" "$work/a" "$b" "$c" "$HOME/.cache/quack-bazel"; do
   if grep -rlF -- "$p" "${dirs_a[@]}" >"$work/grep.txt" 2>/dev/null; then

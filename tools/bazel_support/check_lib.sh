@@ -73,20 +73,5 @@ warm_cache_dirs() {
 }
 
 # count_runs EXEC_LOG MNEMONIC: how many spawns of MNEMONIC ran (not cache hits) per the JSON
-# execution log; prints "count: target labels...".
-count_runs() {
-  python3 - "$1" "$2" <<'PY'
-import json, sys
-text, mnemonic = open(sys.argv[1]).read(), sys.argv[2]
-dec, pos, runs = json.JSONDecoder(), 0, []
-while pos < len(text):
-    while pos < len(text) and text[pos].isspace():
-        pos += 1
-    if pos >= len(text):
-        break
-    spawn, pos = dec.raw_decode(text, pos)
-    if spawn.get("mnemonic") == mnemonic and not spawn.get("cacheHit"):
-        runs.append(spawn.get("targetLabel", "?"))
-print("%d: %s" % (len(runs), " ".join(sorted(runs))))
-PY
-}
+# execution log (tools/bazel_support/exec_log.py); prints "count: target labels...".
+count_runs() { python3 "$ws/tools/bazel_support/exec_log.py" "$1" "$2" runs; }
