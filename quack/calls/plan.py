@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import importlib
+import inspect
 import json
 import math
 import os
@@ -68,8 +69,18 @@ class Kernel:
                 f"or record it with QUACK_CACHE_RECORD=FILE): {self.origin}"
             ) from e
 
+    def arg(self, name: str):
+        """The compile argument named ``name`` in the compile function's signature."""
+        names = _PARAMETERS.get(self.compile)
+        if names is None:
+            names = _PARAMETERS[self.compile] = tuple(inspect.signature(self.compile).parameters)
+        return self.args[names.index(name)]
+
     def describe(self) -> str:
         return f"{self.compile.__name__}{self.args!r}"
+
+
+_PARAMETERS: dict[Callable, tuple[str, ...]] = {}  # compile function -> its parameter names
 
 
 @dataclasses.dataclass(frozen=True)
@@ -236,6 +247,24 @@ def fake_tensor(sig: Signature, field: str, shape: tuple[int, ...], offset: int 
     strides = tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
     storage = torch.empty(math.prod(shape) + offset, device="cuda", dtype=dtype)
     return storage.as_strided(shape, strides, offset)
+
+
+def fake_rows_input(sig: Signature, validate: Callable[[Any], None]):
+    """For a row-wise op's ``rebuild``: its rows input, one row of ``sig.n``
+    elements of the dtype field ``dtype``, after ``validate(x)`` accepted the
+    dtype (on one element) and N (blamed on those fields); it starts ``sig.vec``
+    elements into its storage when that is below the full vector width, so
+    its alignment gives the signature's vector width."""
+    from quack.calls import torch_interop as ti
+
+    one = fake_tensor(sig, "dtype", (1, 1))  # (a dtype field no torch dtype has raises here, as itself)
+    with blame(sig, "dtype"):
+        validate(one)
+    row = fake_tensor(sig, "dtype", (1, sig.n))
+    with blame(sig, "n"):
+        validate(row)
+    offset = sig.vec if 0 < sig.vec < ti.full_width(sig.n, sig.dtype) else 0
+    return fake_tensor(sig, "dtype", (1, sig.n), offset)
 
 
 # A signature field's annotation -> the JSON values it takes (1.0 for an

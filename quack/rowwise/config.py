@@ -21,6 +21,9 @@ STAGED_CTAS_PER_SM = 4
 MAX_VALUES_PER_THREAD = 64
 # Hopper allows 16 CTAs per cluster (a non-portable size that the DSL opts into).
 MAX_CLUSTER = 16
+# The longest row a row-wise op takes: a full cluster of 256-thread CTAs
+# at the forward's values-per-thread budget.
+MAX_N = 262144
 
 
 def _next_pow2(n: int) -> int:

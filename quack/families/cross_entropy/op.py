@@ -38,10 +38,9 @@ from quack.cache import compile_options, jit_cache
 from quack.calls import fastpath
 from quack.compile_only import autograd_available, differentiable_outputs, is_compile_only
 from quack.calls.cute_op import cute_op
-from quack.calls.plan import Kernel, Plan, Signature, blame, fake_tensor, plan_for, signature
-from quack.rowwise.config import RowConfig, forward_config
+from quack.calls.plan import Kernel, Plan, Signature, blame, fake_rows_input, fake_tensor, plan_for, signature
+from quack.rowwise.config import MAX_N, RowConfig, forward_config
 
-MAX_N = 262144
 REDUCTIONS = ("mean", "sum", "none")
 
 
@@ -59,7 +58,7 @@ BACKWARD_THREADS = 256
 
 
 
-def backward_config(n: int, vec: int) -> RowConfig:
+def backward_tiles(n: int, vec: int) -> RowConfig:
     """Column tiles of at most ``BACKWARD_VALUES_PER_THREAD`` values per
     thread; ``cluster_n`` is the number of column tiles (grid y, no cluster)."""
     threads = BACKWARD_THREADS
@@ -119,7 +118,7 @@ def compile_cross_entropy_bwd(dtype: str, target_dtype: str, n: int, vec: int):
     from quack.families.cross_entropy.kernels import CrossEntropyBackward
 
     dt = ti.cute_dtype(dtype)
-    cfg = backward_config(n, vec)
+    cfg = backward_tiles(n, vec)
     m = cute.sym_int()
     return cute.compile(
         CrossEntropyBackward(cfg), rowwise.fake_rows(dt, m, n, vec),
@@ -158,14 +157,9 @@ class CrossEntropyCall(Signature):
         target = fake_tensor(self, "target_dtype", (1,))
         with blame(self, "target_dtype"):
             ti.check_float("target", target, TARGET_DTYPES)
-        with blame(self, "dtype"):
-            _validate(fake_tensor(self, "dtype", (1, 1)), target, -100, "none")
-        with blame(self, "n"):
-            _validate(fake_tensor(self, "dtype", (1, self.n)), target, -100, "none")
+        logits = fake_rows_input(self, lambda x: _validate(x, target, -100, "none"))
         with blame(self, "reduction"):
-            _validate(fake_tensor(self, "dtype", (1, self.n)), target, -100, self.reduction)
-        offset = self.vec if 0 < self.vec < ti.full_width(self.n, self.dtype) else 0
-        logits = fake_tensor(self, "dtype", (1, self.n), offset)
+            _validate(logits, target, -100, self.reduction)
         return call_signature(logits, target, self.reduction, self.backward)
 
 

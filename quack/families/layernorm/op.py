@@ -28,10 +28,9 @@ from quack.calls import fastpath
 from quack.compile_only import autograd_available, differentiable_outputs, is_compile_only
 from quack.calls.cute_op import cute_op
 from quack.rowwise.norm_backward_grid import grid_clusters
-from quack.calls.plan import Kernel, Plan, Signature, blame, fake_tensor, plan_for, signature
-from quack.rowwise.config import backward_config, check_eps, forward_config
+from quack.calls.plan import Kernel, Plan, Signature, blame, fake_rows_input, fake_tensor, plan_for, signature
+from quack.rowwise.config import MAX_N, backward_config, check_eps, forward_config
 
-MAX_N = 262144
 
 
 def _fake_param(dtype: Optional[str], n: int, vec: int):
@@ -127,13 +126,7 @@ class LayerNormCall(Signature):
         """The op's checks and signature of a call on one row of N (``plan.from_entry``):
         x ``vec`` elements into its storage below the full vector width (its
         alignment then gives that width), the parameters aligned."""
-        x = fake_tensor(self, "dtype", (1, 1))
-        with blame(self, "dtype"):
-            _validate(x, None, None)
-        with blame(self, "n"):
-            _validate(fake_tensor(self, "dtype", (1, self.n)), None, None)
-        offset = self.vec if 0 < self.vec < ti.full_width(self.n, self.dtype) else 0
-        x = fake_tensor(self, "dtype", (1, self.n), offset)
+        x = fake_rows_input(self, lambda x: _validate(x, None, None))
         weight = fake_tensor(self, "weight_dtype", (self.n,))
         with blame(self, "weight_dtype"):
             _validate(x, weight, None)
@@ -171,7 +164,7 @@ def _launch_bwd(kernel: Kernel, x, weight, dy, mean, rstd, dx, dw, db) -> None:
     m, n = x.shape
     # The object runs at full vector width: realign what autograd handed us.
     x, weight, dy = (ti.aligned(t) for t in (x, weight, dy))
-    cfg = backward_config(n, kernel.args[-1])
+    cfg = backward_config(n, kernel.arg("vec"))
     num_ctas = grid_clusters(
         cfg, m, x.device.index or 0, x.element_size(), 0 if weight is None else weight.element_size(), False
     )

@@ -25,10 +25,9 @@ from quack.cache import compile_options, jit_cache
 from quack.calls import fastpath
 from quack.compile_only import autograd_available, differentiable_outputs, is_compile_only
 from quack.calls.cute_op import cute_op
-from quack.calls.plan import Kernel, Plan, Signature, blame, fake_tensor, plan_for, signature
-from quack.rowwise.config import backward_config, forward_config
+from quack.calls.plan import Kernel, Plan, Signature, fake_rows_input, plan_for, signature
+from quack.rowwise.config import MAX_N, backward_config, forward_config
 
-MAX_N = 262144
 
 
 # This op's eager fast path (quack/calls/fastpath.py).
@@ -93,12 +92,7 @@ class SoftmaxCall(Signature):
         """The op's checks and signature of a call on one row of N (``plan.from_entry``):
         x ``vec`` elements into its storage below the full vector width (its
         alignment then gives that width)."""
-        with blame(self, "dtype"):
-            _validate(fake_tensor(self, "dtype", (1, 1)))
-        with blame(self, "n"):
-            _validate(fake_tensor(self, "dtype", (1, self.n)))
-        offset = self.vec if 0 < self.vec < ti.full_width(self.n, self.dtype) else 0
-        return call_signature(fake_tensor(self, "dtype", (1, self.n), offset), self.backward)
+        return call_signature(fake_rows_input(self, _validate), self.backward)
 
 
 def call_signature(x, backward: bool) -> SoftmaxCall:
