@@ -41,7 +41,6 @@ from cutlass import Float32, Int32, Int64, const_expr
 from quack.rowwise import device as rowwise
 from quack.rowwise.device import RowConfig
 
-LOG2_E = math.log2(math.e)
 LN_2 = math.log(2.0)
 
 
@@ -115,8 +114,7 @@ class CrossEntropyForward:
             sTotals = smem.allocate_tensor(Float32, cute.make_layout(cfg.threads // 32), byte_alignment=4)
             sCounts = smem.allocate_tensor(Int32, cute.make_layout(cfg.threads // 32), byte_alignment=4)
         m, n = mX.shape[0], mX.shape[1]
-        gX = cute.local_tile(mX, cfg.tiler, (bidx, rank))
-        gC = cute.local_tile(cute.make_identity_tensor((m, n)), cfg.tiler, (bidx, rank))
+        gX, gC = rowwise.row_tiles(cfg, bidx, rank, mX, cute.make_identity_tensor((m, n)))
         # gX: (rows_per_cta, cols_per_cta) tile of this CTA
         thr = copy.get_slice(tidx)
         tXgX, tXcX = thr.partition_S(gX), thr.partition_S(gC)
@@ -274,9 +272,7 @@ class CrossEntropyBackward:
         tidx, _, _ = cute.arch.thread_idx()
         bidx, bidy, _ = cute.arch.block_idx()
         m, n = mX.shape[0], mX.shape[1]
-        gX = cute.local_tile(mX, cfg.tiler, (bidx, bidy))
-        gDx = cute.local_tile(mDx, cfg.tiler, (bidx, bidy))
-        gC = cute.local_tile(cute.make_identity_tensor((m, n)), cfg.tiler, (bidx, bidy))
+        gX, gDx, gC = rowwise.row_tiles(cfg, bidx, bidy, mX, mDx, cute.make_identity_tensor((m, n)))
         # gX: (rows_per_cta, cols_per_cta) tile: row tile bidx, column tile bidy
         thr = copy.get_slice(tidx)
         tXgX, tXgDx, tXcX = thr.partition_S(gX), thr.partition_D(gDx), thr.partition_S(gC)
@@ -299,7 +295,7 @@ class CrossEntropyBackward:
             if mode == 2:
                 scale = Float32(math.nan)
 
-        p = cute.math.exp2(tXrX.load().to(Float32) * LOG2_E - lse * LOG2_E, fastmath=True)
+        p = cute.math.exp2(tXrX.load().to(Float32) * rowwise.LOG2_E - lse * rowwise.LOG2_E, fastmath=True)
         tXrG = cute.make_rmem_tensor(tXgX.shape, Float32)
         tXrG.store(p * scale)
         # Subtract the one-hot term where the column is the target.

@@ -53,9 +53,7 @@ class SoftmaxForward:
         # Stage 0: the max; stage 1: the sum.
         rank, smem, sRed, mbar = rowwise.start_row_cta(cfg, stages=2)
         m, n = mX.shape[0], mX.shape[1]
-        gX = cute.local_tile(mX, cfg.tiler, (bidx, rank))
-        gY = cute.local_tile(mY, cfg.tiler, (bidx, rank))
-        gC = cute.local_tile(cute.make_identity_tensor((m, n)), cfg.tiler, (bidx, rank))
+        gX, gY, gC = rowwise.row_tiles(cfg, bidx, rank, mX, mY, cute.make_identity_tensor((m, n)))
         # gX: (rows_per_cta, cols_per_cta) tile of this CTA
         thr = copy.get_slice(tidx)
         tXgX, tXgY, tXcX = thr.partition_S(gX), thr.partition_D(gY), thr.partition_S(gC)
@@ -115,10 +113,7 @@ class SoftmaxBackward:
         bidx, _, _ = cute.arch.block_idx()
         rank, smem, sRed, mbar = rowwise.start_row_cta(cfg)
         m, n = mY.shape[0], mY.shape[1]
-        gY = cute.local_tile(mY, cfg.tiler, (bidx, rank))
-        gDy = cute.local_tile(mDy, cfg.tiler, (bidx, rank))
-        gDx = cute.local_tile(mDx, cfg.tiler, (bidx, rank))
-        gC = cute.local_tile(cute.make_identity_tensor((m, n)), cfg.tiler, (bidx, rank))
+        gY, gDy, gDx, gC = rowwise.row_tiles(cfg, bidx, rank, mY, mDy, mDx, cute.make_identity_tensor((m, n)))
         # gY: (rows_per_cta, cols_per_cta) tile of this CTA
         thr = copy.get_slice(tidx)
         tXgY, tXgDy, tXgDx = thr.partition_S(gY), thr.partition_S(gDy), thr.partition_D(gDx)
