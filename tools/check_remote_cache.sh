@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# End-to-end check of the HTTP remote cache (issue #6), on a local nginx (tools/remote_cache/)
+# End-to-end check of the HTTP remote cache, on a local nginx (tools/remote_cache/)
 # on a loopback port with a throwaway store. Every build runs in its own copy of the checkout
 # with a fresh output base and no disk cache (--disk_cache=), with --config=remote, on the smoke
 # selection (check_lib.sh: every family's action, each warming its matrix's first case):

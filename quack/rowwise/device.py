@@ -234,9 +234,8 @@ def exp_shifted(x, row_max, fused: bool = False):
 
 def fuses_exp(dtype) -> bool:
     """Do kernels exponentiate values of this input dtype in the fused form
-    (``exp_shifted``)?  16-bit inputs: H200, bf16, cross-entropy fwd
-    86/94/98/85 -> 87/96/102/87% of copy (N = 4K/16K/64K/256K).  fp32 inputs
-    keep the exact form."""
+    (``exp_shifted``)?  16-bit inputs: one FFMA per value is faster, and its
+    rounding is below their precision.  fp32 inputs keep the exact form."""
     return dtype.width < 32
 
 
@@ -265,9 +264,9 @@ def row_max_sum(
     """The row's (M, S) from each thread's (max m, sum s of exp(x - m)): what
     ``row_merge`` with ``merge_max_sum`` gives, with one exchange, but each
     warp first agrees on its max and rescales its sums once, so a thread
-    computes two exponentials in all instead of two per shuffle step (22 per
-    thread for a 128-thread row: the cross-entropy forward at N = 4K issued
-    as many exponentials for the merge as for its 32 values)."""
+    computes two exponentials in all instead of two per shuffle step (for
+    short rows the merge would otherwise cost as many exponentials as the
+    thread's own values)."""
     return row_merge(
         state, buffers, merge_max_sum, (Float32(-FLT_MAX), Float32(0.0)), threads_per_row, cluster_n, mbar,
         warp_merge=_warp_max_sum,
@@ -577,8 +576,8 @@ def load_param(param, v=None):
 # Vectors of a staged slice whose parameters (weight, bias) a forward's output
 # pass loads at once, each group one L2 round trip; a whole slice's would not
 # fit in the registers of a staged kernel.  Invariant loads (``param_atom``)
-# may also pass the previous group's stores.  H200, bf16, RMSNorm fwd at
-# 64K / 256K: one vector per group 90 / 87% of copy, two 97 / 96%.
+# may also pass the previous group's stores.  Two vectors per group measured
+# faster than one on long rows (tools/bench/rmsnorm.py).
 PARAM_GROUP_VECTORS = 2
 
 

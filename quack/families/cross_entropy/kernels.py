@@ -90,6 +90,7 @@ class CrossEntropyForward:
             stream, staged=rowwise.stages_row(cfg, mX.element_type),
         )
 
+    # The DSL needs each kernel's parameters spelled out, so they repeat __call__'s.
     @cute.kernel
     def kernel(
         self,
@@ -251,6 +252,7 @@ class CrossEntropyBackward:
     ):
         cfg = self.cfg
         copy = rowwise.make_row_copy(mX.element_type, cfg)
+        # Not rowwise.launch_rows: the column tiles are independent CTAs, no cluster.
         self.kernel(mX, mTarget, mLse, mDloss, mDx, ignore_index, copy).launch(
             grid=[cute.ceil_div(mX.shape[0], cfg.rows_per_cta), cfg.cluster_n, 1],
             block=[cfg.threads, 1, 1],
