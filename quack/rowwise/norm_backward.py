@@ -223,7 +223,8 @@ class NormBackward:
             # product's rounding error, times rstd (up to 1/sqrt(eps)).
             # "+ 0.0" rounds the product on its own, the same in both passes.
             # Only here: at other N the fused form is as accurate and one
-            # instruction cheaper, and rounding everywhere slowed the backwards.
+            # instruction cheaper, and rounding it at every N slowed both
+            # backward passes.
             return x_hat, dy, dy * w + 0.0
         return x_hat, dy, dy * w
 
