@@ -274,7 +274,10 @@ class CrossEntropyBackward:
         tidx, _, _ = cute.arch.thread_idx()
         bidx, bidy, _ = cute.arch.block_idx()
         m, n = mX.shape[0], mX.shape[1]
-        gX, gDx, gC = rowwise.row_tiles(cfg, bidx, bidy, mX, mDx, cute.make_identity_tensor((m, n)))
+        # Column tile bidy of a grid, not a cluster rank: tiled here, not by rowwise.row_tiles.
+        gX = cute.local_tile(mX, cfg.tiler, (bidx, bidy))
+        gDx = cute.local_tile(mDx, cfg.tiler, (bidx, bidy))
+        gC = cute.local_tile(cute.make_identity_tensor((m, n)), cfg.tiler, (bidx, bidy))
         # gX: (rows_per_cta, cols_per_cta) tile: row tile bidx, column tile bidy
         thr = copy.get_slice(tidx)
         tXgX, tXgDx, tXcX = thr.partition_S(gX), thr.partition_D(gDx), thr.partition_S(gC)

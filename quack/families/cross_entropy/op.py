@@ -36,8 +36,9 @@ import torch
 from quack.calls import torch_interop as ti
 from quack.cache import compile_options, jit_cache
 from quack.calls import fastpath
-from quack.compile_only import autograd_available, differentiable_outputs, is_compile_only
+from quack.compile_only import differentiable_outputs, is_compile_only
 from quack.calls.cute_op import cute_op
+from quack.calls.eager import eager_plan
 from quack.calls.plan import Kernel, Plan, Signature, blame, fake_rows_input, fake_tensor, plan_for, signature
 from quack.rowwise.config import MAX_N, RowConfig, forward_config
 
@@ -399,18 +400,9 @@ def cross_entropy(
         if loss is not NotImplemented:
             return loss
     _validate(logits, target, ignore_index, reduction)
-    compile_only = is_compile_only()
-    if check_targets and not compile_only:
+    if check_targets and not is_compile_only():
         check_targets_in_range(target, logits.shape[-1], ignore_index)
-    backward = ti.will_backward(logits)
-    # While torch.compile traces there are no addresses: the registered ops
-    # take their plans from the real tensors when the graph runs.
-    plan = None if torch.compiler.is_compiling() else plan_for(call_signature(logits, target, reduction, backward))
-    if compile_only:
-        # Export every kernel of the plan (the launches are no-ops), the
-        # backward's too; a graph is built where autograd can run.
-        plan.warm()
-        backward = backward and autograd_available()
+    plan, backward = eager_plan(lambda backward: call_signature(logits, target, reduction, backward), logits)
     if backward:
         return _CrossEntropyFunction.apply(logits, target, ignore_index, reduction, plan)
     with torch.no_grad():

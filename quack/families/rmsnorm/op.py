@@ -24,8 +24,9 @@ import torch
 from quack.calls import torch_interop as ti
 from quack.cache import compile_options, jit_cache
 from quack.calls import fastpath
-from quack.compile_only import autograd_available, differentiable_outputs, is_compile_only
+from quack.compile_only import differentiable_outputs
 from quack.calls.cute_op import cute_op
+from quack.calls.eager import eager_plan
 from quack.rowwise.norm_backward_grid import grid_clusters
 from quack.calls.plan import Kernel, Plan, Signature, blame, fake_rows_input, fake_tensor, plan_for, signature
 from quack.rowwise.config import MAX_N, backward_config, check_eps, forward_config
@@ -275,15 +276,7 @@ def rmsnorm(x, weight=None, eps: Optional[float] = 1e-6, residual=None):
     if result is not NotImplemented:
         return result
     _validate(x, weight, residual)
-    backward = ti.will_backward(x, weight, residual)
-    # While torch.compile traces there are no addresses: the registered ops
-    # take their plans from the real tensors when the graph runs.
-    plan = None if torch.compiler.is_compiling() else plan_for(call_signature(x, weight, residual, backward))
-    if is_compile_only():
-        # Export every kernel of the plan (the launches are no-ops), the
-        # backward's too; a graph is built where autograd can run.
-        plan.warm()
-        backward = backward and autograd_available()
+    plan, backward = eager_plan(lambda backward: call_signature(x, weight, residual, backward), x, weight, residual)
     if backward:
         return _RMSNormFunction.apply(x, weight, residual, eps, plan)
     store_rstd = plan is not None and plan.signature.backward

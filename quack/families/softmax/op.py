@@ -23,8 +23,9 @@ import torch
 from quack.calls import torch_interop as ti
 from quack.cache import compile_options, jit_cache
 from quack.calls import fastpath
-from quack.compile_only import autograd_available, differentiable_outputs, is_compile_only
+from quack.compile_only import differentiable_outputs
 from quack.calls.cute_op import cute_op
+from quack.calls.eager import eager_plan
 from quack.calls.plan import Kernel, Plan, Signature, fake_rows_input, plan_for, signature
 from quack.rowwise.config import MAX_N, backward_config, forward_config
 
@@ -182,15 +183,7 @@ def softmax(x: torch.Tensor) -> torch.Tensor:
     if y is not NotImplemented:
         return y
     _validate(x)
-    backward = ti.will_backward(x)
-    # While torch.compile traces there are no addresses: the registered ops
-    # take their kernels from the real tensors when the graph runs.
-    plan = None if torch.compiler.is_compiling() else plan_for(call_signature(x, backward))
-    if is_compile_only():
-        # Export every kernel of the plan (the launches are no-ops), the
-        # backward's too; a graph is built where autograd can run.
-        plan.warm()
-        backward = backward and autograd_available()
+    plan, backward = eager_plan(lambda backward: call_signature(x, backward), x)
     if backward:
         return _SoftmaxFunction.apply(x, plan)
     with torch.no_grad():
