@@ -2,7 +2,7 @@
 dZ = dY * act'(Z) from the pre-activation Z a forward saved, in fp32 between
 the loads and the one rounding.  Gated (``gated``): Z holds gate and up
 columns interleaved and dY half as many columns; dZ's gate column is
-g * up * act'(gate), its up column g * act(gate) (``gemm_kernels.gate_gradients``,
+g * up * act'(gate), its up column g * act(gate) (``activation.gate_gradients``,
 the math the GEMM's backward epilogues use).
 
 Each CTA takes a (TILE_M, LANES_N vectors) tile of Z: a thread loads one
@@ -20,7 +20,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Boolean, Float32, const_expr
 
-from quack.families.gemm.kernel import activation_derivative, gate_gradients
+from quack.families.gemm.activation import activation_derivative, gate_gradients
 
 THREADS = 256
 LANES_N = 32  # threads along a tile row, one vector of Z each
@@ -33,7 +33,7 @@ def _vector_atom(dtype, elements: int) -> cute.CopyAtom:
 
 
 class ActivationGrad:
-    """dZ = dY * act'(Z) (``activation`` a name of ``gemm_kernels.activate``;
+    """dZ = dY * act'(Z) (``activation`` a name of ``activation.activate``;
     ``vec`` Z's elements per 16 bytes)."""
 
     def __init__(self, activation: str, gated: bool, vec: int):

@@ -70,6 +70,7 @@ import cutlass.utils.hopper_helpers as sm90
 from cutlass import Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warp, warpgroup
 
+from quack.families.gemm.activation import activate, activation_derivative, gate_gradients
 from quack.families.gemm.epilogue import parse_epilogue
 from quack.families.gemm.schedule import find_group, first_cursor, group_rows, tile_in_group
 from quack.families.gemm.threads import THREADS_PER_WARPGROUP, cta_threads
@@ -673,52 +674,6 @@ class HopperGemm:
                 row, col = crd[0, i, j]
                 if (row < rows_left) & (col < cols_left):
                     cute.copy(copy, src[None, i, j], dst[None, i, j])
-
-
-_GELU_TANH_SCALE = 0.7978845608028654  # sqrt(2 / pi)
-_LOG2_E = 1.4426950408889634
-
-
-def activate(x, name: str):
-    """The activation ``name`` of one fp32 value (torch's definitions;
-    gelu_tanh is GELU's tanh approximation)."""
-    if const_expr(name == "relu"):
-        return cutlass.max(x, cutlass.Float32(0.0))
-    if const_expr(name == "relu_sq"):
-        r = cutlass.max(x, cutlass.Float32(0.0))
-        return r * r
-    if const_expr(name == "gelu_tanh"):
-        return 0.5 * x * (1.0 + _tanh(_GELU_TANH_SCALE * (x + 0.044715 * x * x * x)))
-    # silu: x / (1 + e^-x) with the fast exp2 and reciprocal (the exact
-    # exp and division cost the epilogue a fifth of the GEMM's throughput).
-    return x * cute.arch.rcp_approx(1.0 + cute.math.exp2(x * -_LOG2_E, fastmath=True))
-
-
-def _tanh(z):
-    """tanh of one fp32 value as 1 - 2 / (1 + e^2z), with the fast exp2 and
-    reciprocal (two MUFU operations; absolute error about 1e-7, and the
-    limits at +-inf exact): the exact tanh's instruction sequence costs the
-    gelu_tanh epilogue several points of the GEMM's throughput."""
-    return 1.0 - 2.0 * cute.arch.rcp_approx(1.0 + cute.math.exp2(z * (2.0 * _LOG2_E), fastmath=True))
-
-
-def activation_derivative(x, name: str):
-    """d act(x) / dx of one fp32 value (``activate``'s activations)."""
-    if const_expr(name == "relu"):
-        return cutlass.Float32(cutlass.select_(x > 0.0, cutlass.Float32(1.0), cutlass.Float32(0.0)))
-    if const_expr(name == "relu_sq"):
-        return 2.0 * cutlass.max(x, cutlass.Float32(0.0))
-    if const_expr(name == "gelu_tanh"):
-        t = _tanh(_GELU_TANH_SCALE * (x + 0.044715 * x * x * x))
-        return 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * _GELU_TANH_SCALE * (1.0 + 3.0 * 0.044715 * x * x)
-    sigmoid = cute.arch.rcp_approx(1.0 + cute.math.exp2(x * -_LOG2_E, fastmath=True))  # silu
-    return sigmoid * (1.0 + x * (1.0 - sigmoid))
-
-
-def gate_gradients(g, gate, up, name: str):
-    """The gradients of a gated pair's (gate, up) from g, the gradient of
-    act(gate) * up (fp32 values)."""
-    return g * up * activation_derivative(gate, name), g * activate(gate, name)
 
 
 def epilogue_copy(tiled_mma, d_major, d_dtype):
