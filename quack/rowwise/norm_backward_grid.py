@@ -1,12 +1,13 @@
 """The launch plan of the norm backward (``quack/rowwise/norm_backward.py``), on the
 host and without the CuTe DSL: its tile pipeline and where the weight slice
 lives (shared memory, registers or L2), the CTAs that fit an SM, and the
-persistent grid a call launches."""
+persistent grid a call launches; ``run_norm_backward`` launches it."""
 
 from __future__ import annotations
 
 from quack.calls import occupancy
-from quack.rowwise.config import RowConfig
+from quack.calls import torch_interop as ti
+from quack.rowwise.config import RowConfig, backward_config
 
 # Where the backward keeps its weight slice, the same for every row tile:
 # staged in shared memory, held in registers (16-bit weights: 16 registers at
@@ -63,3 +64,28 @@ def grid_clusters(cfg: RowConfig, m: int, device_index: int, row_bytes: int, wei
     per_sm = ctas_per_sm(cfg, row_bytes, weight_bytes, 3 if has_dh_out else 2)
     resident = occupancy.resident_clusters(device_index, cfg.threads, cfg.cluster_n, per_sm)
     return max(1, min(-(-m // cfg.rows_per_cta), resident))
+
+
+def run_norm_backward(kernel, x, weight, dy, dh_out, mean, rstd, dx, dw, db, eps: float) -> None:
+    """The persistent norm backward on (M, N) rows (RMSNorm: no ``mean``;
+    LayerNorm: no ``dh_out``; ``kernel``: the plan's backward), then the sums
+    of its per-CTA partial rows into dw and db (given exactly when the kernel
+    writes them).  The grid and the partial buffers are sized here, on the
+    real tensors, never while torch.compile traces (where N and M may be
+    symbolic)."""
+    m, n = x.shape
+    # The object runs at full vector width: realign what autograd handed us.
+    x, weight, dy, dh_out = (ti.aligned(t) for t in (x, weight, dy, dh_out))
+    cfg = backward_config(n, kernel.arg("vec"))
+    num_ctas = grid_clusters(
+        cfg, m, x.device.index or 0, x.element_size(),
+        0 if weight is None else weight.element_size(), dh_out is not None,
+    )
+    rows = num_ctas * cfg.rows_per_cta
+    dw_partial = ti.partial_rows(rows, n, x.device, m) if dw is not None else None
+    db_partial = ti.partial_rows(rows, n, x.device, m) if db is not None else None
+    if m > 0:
+        launch = kernel.load()
+        launch(x, weight, dy, dh_out, mean, rstd, dx, dw_partial, db_partial, eps, num_ctas, ti.current_stream(x.device))
+    ti.sum_partial_rows(dw_partial, dw)
+    ti.sum_partial_rows(db_partial, db)

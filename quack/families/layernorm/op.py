@@ -28,7 +28,7 @@ from quack.calls import fastpath
 from quack.compile_only import differentiable_outputs
 from quack.calls.cute_op import cute_op
 from quack.calls.eager import eager_plan
-from quack.rowwise.norm_backward_grid import grid_clusters
+from quack.rowwise.norm_backward_grid import run_norm_backward
 from quack.calls.plan import Kernel, Plan, Signature, blame, fake_rows_input, fake_tensor, plan_for, signature
 from quack.rowwise.config import MAX_N, backward_config, check_eps, forward_config
 
@@ -157,29 +157,6 @@ def _launch_fwd(plan: Plan, x, weight, bias, out, mean, rstd, eps) -> None:
     plan.kernel("forward")(x, weight, bias, out, mean, rstd, eps, ti.current_stream(x.device))
 
 
-def _launch_bwd(kernel: Kernel, x, weight, dy, mean, rstd, dx, dw, db) -> None:
-    """The persistent backward, then the sums of its per-CTA partial rows into
-    dw (given exactly when weight is) and db.  The grid and the partial
-    buffers are sized here, on the real tensors, never while torch.compile
-    traces (where N and M may be symbolic)."""
-    m, n = x.shape
-    # The object runs at full vector width: realign what autograd handed us.
-    x, weight, dy = (ti.aligned(t) for t in (x, weight, dy))
-    cfg = backward_config(n, kernel.arg("vec"))
-    num_ctas = grid_clusters(
-        cfg, m, x.device.index or 0, x.element_size(), 0 if weight is None else weight.element_size(), False
-    )
-    rows = num_ctas * cfg.rows_per_cta
-    dw_partial = ti.partial_rows(rows, n, x.device, m) if dw is not None else None
-    db_partial = ti.partial_rows(rows, n, x.device, m) if db is not None else None
-    if m > 0:
-        launch = kernel.load()
-        # eps: RMSNorm's only (its N = 1 dx).
-        launch(x, weight, dy, None, mean, rstd, dx, dw_partial, db_partial, 0.0, num_ctas, ti.current_stream(x.device))
-    ti.sum_partial_rows(dw_partial, dw)
-    ti.sum_partial_rows(db_partial, db)
-
-
 # The registered ops, which torch.compile's graphs call: each takes its
 # kernel from its own (real) tensors.
 @cute_op("quack::layernorm_fwd", mutates_args=("out", "mean", "rstd"))
@@ -214,7 +191,7 @@ def _layernorm_bwd(
     # The call as far as the backward sees it (the forward's vector width
     # does not change the backward object).
     plan = plan_for(LayerNormCall(dtype, _name(weight), bias_dtype, n, ti.full_width(n, dtype), True))
-    _launch_bwd(plan.kernel_of("backward"), x, weight, dy, mean, rstd, dx, dw, db)
+    run_norm_backward(plan.kernel_of("backward"), x, weight, dy, None, mean, rstd, dx, dw, db, 0.0)
 
 
 def _validate(x, weight, bias) -> None:
@@ -248,11 +225,12 @@ def layernorm_bwd(x, weight, dy, mean, rstd, bias_dtype=None, plan: Optional[Pla
     dx = torch.empty_like(x)
     dw = torch.empty_like(weight) if weight is not None else None
     db = torch.empty(n, device=x.device, dtype=torch.float32) if bias_dtype is not None else None
-    args = (ti.as_rows(x, n), weight, ti.as_rows(dy, n), mean, rstd, ti.as_rows(dx, n), dw, db)
+    x2, dy2, dx2 = ti.as_rows(x, n), ti.as_rows(dy, n), ti.as_rows(dx, n)
     if plan is not None:
-        _launch_bwd(plan.kernel_of("backward"), *args)
+        # eps: RMSNorm's only (its N = 1 dx).
+        run_norm_backward(plan.kernel_of("backward"), x2, weight, dy2, None, mean, rstd, dx2, dw, db, 0.0)
     else:
-        _layernorm_bwd(*args, bias_dtype)
+        _layernorm_bwd(x2, weight, dy2, mean, rstd, dx2, dw, db, bias_dtype)
     return dx, dw, db
 
 

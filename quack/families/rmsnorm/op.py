@@ -27,7 +27,7 @@ from quack.calls import fastpath
 from quack.compile_only import differentiable_outputs
 from quack.calls.cute_op import cute_op
 from quack.calls.eager import eager_plan
-from quack.rowwise.norm_backward_grid import grid_clusters
+from quack.rowwise.norm_backward_grid import run_norm_backward
 from quack.calls.plan import Kernel, Plan, Signature, blame, fake_rows_input, fake_tensor, plan_for, signature
 from quack.rowwise.config import MAX_N, backward_config, check_eps, forward_config
 
@@ -138,26 +138,6 @@ def _launch_fwd(plan: Plan, x, weight, residual, out, residual_out, rstd, eps) -
     plan.kernel("forward")(x, weight, residual, out, residual_out, rstd, eps, ti.current_stream(x.device))
 
 
-def _launch_bwd(kernel: Kernel, x, weight, dy, dh_out, rstd, dx, dw, eps) -> None:
-    """The persistent backward, then the sum of its per-CTA partial rows into
-    dw (given exactly when weight is).  The grid and the partial buffer are
-    sized here, on the real tensors, never while torch.compile traces (where
-    N and M may be symbolic)."""
-    m, n = x.shape
-    # The object runs at full vector width: realign what autograd handed us.
-    x, weight, dy, dh_out = (ti.aligned(t) for t in (x, weight, dy, dh_out))
-    cfg = backward_config(n, kernel.arg("vec"))
-    num_ctas = grid_clusters(
-        cfg, m, x.device.index or 0, x.element_size(),
-        0 if weight is None else weight.element_size(), dh_out is not None,
-    )
-    dw_partial = ti.partial_rows(num_ctas * cfg.rows_per_cta, n, x.device, m) if dw is not None else None
-    if m > 0:
-        launch = kernel.load()
-        launch(x, weight, dy, dh_out, None, rstd, dx, dw_partial, None, eps, num_ctas, ti.current_stream(x.device))
-    ti.sum_partial_rows(dw_partial, dw)
-
-
 # The registered ops, which torch.compile's graphs call: each derives its
 # plan from its own (real) tensors.
 @cute_op("quack::rmsnorm_fwd", mutates_args=("out", "residual_out", "rstd"))
@@ -191,7 +171,7 @@ def _rmsnorm_bwd(
     # The call as far as the backward sees it (the forward's vector width
     # does not change the backward object).
     plan = plan_for(RMSNormCall(dtype, _name(weight), dh_out is not None, n, ti.full_width(n, dtype), True))
-    _launch_bwd(plan.kernel_of("backward"), x, weight, dy, dh_out, rstd, dx, dw, eps)
+    run_norm_backward(plan.kernel_of("backward"), x, weight, dy, dh_out, None, rstd, dx, dw, None, eps)
 
 
 def _validate(x, weight, residual) -> None:
@@ -232,8 +212,11 @@ def rmsnorm_bwd(h, weight, dy, rstd, dh_out=None, *, eps: float, plan: Optional[
     dh2 = ti.as_rows(dh_out.contiguous(), n) if dh_out is not None else None
     dx = torch.empty_like(h)
     dw = torch.empty_like(weight) if weight is not None else None
-    args = (ti.as_rows(h, n), weight, ti.as_rows(dy, n), dh2, rstd, ti.as_rows(dx, n), dw, eps)
-    _launch_bwd(plan.kernel_of("backward"), *args) if plan is not None else _rmsnorm_bwd(*args)
+    h2, dy2, dx2 = ti.as_rows(h, n), ti.as_rows(dy, n), ti.as_rows(dx, n)
+    if plan is not None:
+        run_norm_backward(plan.kernel_of("backward"), h2, weight, dy2, dh2, None, rstd, dx2, dw, None, eps)
+    else:
+        _rmsnorm_bwd(h2, weight, dy2, dh2, rstd, dx2, dw, eps)
     return dx, dw
 
 
