@@ -59,7 +59,7 @@ one compiled object serves every problem size (see ``quack/families/gemm/op.py``
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import cuda.bindings.driver as cuda
 import cutlass
@@ -67,12 +67,12 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.tensor_utils as tensor_utils
 import cutlass.utils.hopper_helpers as sm90
-from cutlass import Int32, const_expr
+from cutlass import Boolean, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warp, warpgroup
 
 from quack.families.gemm.activation import activate, activation_derivative, gate_gradients
 from quack.families.gemm.epilogue import parse_epilogue
-from quack.families.gemm.schedule import find_group, first_cursor, group_rows, tile_in_group
+from quack.families.gemm.schedule import GroupCursor, find_group, first_cursor, group_rows, tile_in_group
 from quack.families.gemm.threads import THREADS_PER_WARPGROUP, cta_threads
 
 PRODUCER_REGISTERS = 40
@@ -84,6 +84,156 @@ BARRIER_BYTES = 1024  # mbarriers, with the padding to the operands' 1024-byte a
 EPILOGUE_BARRIER_ID = 1
 ZERO_BARRIER_ID = 2
 K_ALIGN = 8  # varlen K: group K ranges start at multiples of 8 elements (16 bytes; see the module docstring)
+
+# The kernel's state travels in NamedTuples: the DSL flattens a tuple's values
+# in field order, both as kernel parameters and as the values a dynamic loop
+# carries, so grouping values changes neither the parameters nor the loops.
+
+
+class TmaStore(NamedTuple):
+    """An output written by TMA: the store atom, the TMA view of the tensor,
+    and the tensor itself (for the predicated copy of partial tiles).  The
+    atom and view are None for a tensor only read (a derivative's saved
+    pre-activation)."""
+
+    atom: Optional[cute.CopyAtom]
+    tma_tensor: Optional[cute.Tensor]
+    tensor: Optional[cute.Tensor]
+
+
+class EpilogueOperands(NamedTuple):
+    """What the epilogue reads and writes in global memory: D, the bias (or
+    None), and the pre-activation (stored by a forward, read by a derivative;
+    its tensor None without one)."""
+
+    d: TmaStore
+    bias: Optional[cute.Tensor]  # (N,)
+    preact: TmaStore
+
+
+class KernelLayouts(NamedTuple):
+    """Trace-time layouts of the kernel: the MMA, the MMA whose accumulator
+    layout D's registers take (the MMA itself unless gated), and the shared
+    memory layouts of the A and B stages and the epilogue buffers."""
+
+    tiled_mma: cute.TiledMma
+    out_mma: cute.TiledMma
+    sa: cute.ComposedLayout  # (TILE_M, TILE_K, STAGES)
+    sb: cute.ComposedLayout  # (TILE_N, TILE_K, STAGES)
+    sd: cute.ComposedLayout  # (TILE_M, EPILOGUE_N, EPILOGUE_BUFFERS)
+
+
+class TmaLoads(NamedTuple):
+    """The producer's TMA atoms and views of A (M, K) and B (N, K, L)."""
+
+    tma_a: cute.CopyAtom
+    ta: cute.Tensor
+    tma_b: cute.CopyAtom
+    tb: cute.Tensor
+
+
+class SharedTensors(NamedTuple):
+    """The CTA's shared memory: A and B stages, epilogue buffers, the tile's bias."""
+
+    a: cute.Tensor  # (TILE_M, TILE_K, STAGES)
+    b: cute.Tensor  # (TILE_N, TILE_K, STAGES)
+    d: cute.Tensor  # (TILE_M, EPILOGUE_N, EPILOGUE_BUFFERS)
+    bias: cute.Tensor  # (TILE_N,) fp32
+
+
+class Work(NamedTuple):
+    """What every role needs to walk the same work items (``schedule.py``):
+    the groups, the problem's rows and K columns, the grid of clusters, and
+    this CTA's place in its cluster."""
+
+    cu_seqlens: Optional[cute.Tensor]
+    num_groups: Int32
+    total_rows: Int32
+    total_k: Int32
+    n_clusters: Int32  # clusters along N
+    cluster_id: Int32  # this cluster's first work item
+    cluster_count: Int32  # the stride between its items
+    cta_m: Int32
+    cta_n: Int32
+
+
+class Tile(NamedTuple):
+    """One CTA's share of a work item, from ``HopperGemm._tile``."""
+
+    valid: Boolean  # False once the items ran out
+    group: Int32
+    a_row: Int32  # first row of the tile in A
+    d_row: Int32  # first row of the tile in D
+    rows_left: Int32  # rows of the tile to store (at least tile_m: all)
+    n_tile: Int32
+    k_start: Int32  # first K column
+    k_len: Int32  # K columns
+    k_lead: Int32  # leading K columns outside the group (varlen K)
+
+
+class SubtileTarget(NamedTuple):
+    """Where one output's epilogue subtiles of a tile go: the TMA store atom,
+    the shared buffers and global subtiles it partitions, the tensor (for
+    the predicated copy) and the tile's first column in it."""
+
+    atom: cute.CopyAtom
+    smem_boxes: cute.Tensor  # (TMA, EPILOGUE_BUFFERS)
+    gmem_boxes: cute.Tensor  # (TMA, (1, subtiles))
+    tensor: cute.Tensor
+    first_col: Int32
+
+
+class SubtileRows(NamedTuple):
+    """The rows of a tile to store: all of them (``whole``, one TMA store per
+    subtile) or ``rows_left`` from ``first_row`` on (a predicated copy)."""
+
+    whole: Boolean
+    rows_left: Int32
+    first_row: Int32
+
+
+class RegistersToShared(NamedTuple):
+    """A tiled copy of registers into the epilogue buffers, and this
+    thread's partition of the buffers."""
+
+    copy: cute.TiledCopy
+    smem: cute.Tensor  # (R2S, R2S_M, R2S_N, EPILOGUE_BUFFERS)
+
+
+class EpilogueSync(NamedTuple):
+    """The consumers' epilogue hand-off: the shared buffers, this thread, the
+    warp that issues the TMA stores, the store pipeline that keeps a buffer
+    until its store has read it, and the barrier of the consumer threads."""
+
+    sd: cute.Tensor  # (TILE_M, EPILOGUE_N, EPILOGUE_BUFFERS)
+    tidx: Int32
+    store_warp: Boolean
+    store_pipe: pipeline.PipelineTmaStore
+    barrier: pipeline.NamedBarrier
+
+
+class EpilogueRegisters(NamedTuple):
+    """A consumer thread's epilogue state: the accumulators, a subtile of them
+    in fp32 and in D's dtype, and the store path of the MMA's layout."""
+
+    acc: cute.Tensor  # (MMA, MMA_M, MMA_N) fp32
+    acc_coords: cute.Tensor  # (MMA, MMA_M, MMA_N) -> (row, col) in the tile
+    r2s_acc: cute.Tensor  # acc retiled for r2s: (R2S, R2S_M, R2S_N * subtiles)
+    r2s_coords: cute.Tensor  # acc_coords retiled likewise
+    sub_acc: cute.Tensor  # (R2S, R2S_M, R2S_N) fp32, one subtile
+    sub_out: cute.Tensor  # the same in D's dtype
+    r2s: RegistersToShared
+
+
+class GatedRegisters(NamedTuple):
+    """A gated epilogue's D values, in the half- (double-) width MMA's layout,
+    and their store path."""
+
+    coords: cute.Tensor  # (MMA, MMA_M, MMA_N') -> (row, col) in D's tile
+    values: cute.Tensor  # (MMA, MMA_M, MMA_N') fp32
+    r2s_values: cute.Tensor  # values retiled for r2s: (R2S, R2S_M, R2S_N * out_subtiles)
+    sub_out: cute.Tensor  # (R2S, R2S_M, R2S_N) in D's dtype, one subtile
+    r2s: RegistersToShared
 
 
 class HopperGemm:
@@ -124,6 +274,12 @@ class HopperGemm:
         self.threads = cta_threads(tile_m)
         self.consumer_threads = THREADS_PER_WARPGROUP * self.consumer_warpgroups
         self.epi_tile = (tile_m, EPILOGUE_N)
+        # Set by __call__ from the tensors it is traced with, read by the device code.
+        self.ab_dtype = None  # A's and B's element type
+        self.d_dtype = None  # D's (and preact's) element type
+        self.d_major = None  # D's LayoutEnum
+        self.stages = None  # A/B stages in shared memory
+        self.shared_storage = None  # the cute.struct of the CTA's shared memory
 
     # ---------------------------------------------------------------- host side
     @cute.jit
@@ -144,9 +300,9 @@ class HopperGemm:
         # epilogue that of an MMA of half the width.
         out_mma = self._mma(a_major, b_major, self.out_tile_n) if const_expr(self.gated) else tiled_mma
         self.stages = self._stages()
-        sa_layout = self._operand_smem_layout(a_major, self.tile_mnk[0])
-        sb_layout = self._operand_smem_layout(b_major, self.tile_mnk[1])
-        sd_layout = self._epilogue_smem_layout()
+        sa_layout = self._operand_smem_layout(a_major, self.tile_mnk[0])  # (TILE_M, TILE_K, STAGES)
+        sb_layout = self._operand_smem_layout(b_major, self.tile_mnk[1])  # (TILE_N, TILE_K, STAGES)
+        sd_layout = self._epilogue_smem_layout()  # (TILE_M, EPILOGUE_N, EPILOGUE_BUFFERS)
 
         tma_a, ta = cpasync.make_tiled_tma_atom(
             _load_op(self.cluster_n), a, cute.slice_(sa_layout, (None, None, 0)), (self.tile_mnk[0], TILE_K),
@@ -187,9 +343,11 @@ class HopperGemm:
         elif const_expr(cu_seqlens is not None):
             m_bound = (a.shape[0] + num_groups * (cluster_rows - 1)) // cluster_rows
         clusters = cutlass.max(cutlass.min(m_bound * n_clusters, max_clusters), 1)
+        # (The kernel's parameters in this order: the order fixes its parameter
+        # buffer, and the leading ones its mangled name.)
         self.kernel(
-            tma_a, ta, tma_b, tb, tma_d, td, d, cu_seqlens, bias, tma_p, tp, preact, tiled_mma, out_mma, sa_layout,
-            sb_layout, sd_layout, n_clusters, num_groups,
+            tma_a, ta, tma_b, tb, TmaStore(tma_d, td, d), cu_seqlens, bias, TmaStore(tma_p, tp, preact),
+            KernelLayouts(tiled_mma, out_mma, sa_layout, sb_layout, sd_layout), n_clusters, num_groups,
         ).launch(
             grid=(self.cluster_m, self.cluster_n, clusters),
             block=(self.threads, 1, 1),
@@ -229,24 +387,22 @@ class HopperGemm:
 
     # -------------------------------------------------------------- device side
     @cute.kernel
-    def kernel(self, tma_a: cute.CopyAtom, ta: cute.Tensor, tma_b: cute.CopyAtom, tb: cute.Tensor,
-               tma_d: cute.CopyAtom, td: cute.Tensor, d: cute.Tensor, cu_seqlens, bias, tma_p, tp, preact,
-               tiled_mma: cute.TiledMma, out_mma: cute.TiledMma, sa_layout: cute.ComposedLayout,
-               sb_layout: cute.ComposedLayout, sd_layout: cute.ComposedLayout, n_clusters: Int32,
-               num_groups: Int32):
+    def kernel(self, tma_a: cute.CopyAtom, ta: cute.Tensor, tma_b: cute.CopyAtom, tb: cute.Tensor, d: TmaStore,
+               cu_seqlens: Optional[cute.Tensor], bias: Optional[cute.Tensor], preact: TmaStore,
+               layouts: KernelLayouts, n_clusters: Int32, num_groups: Int32):
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == 0:
             cpasync.prefetch_descriptor(tma_a)
             cpasync.prefetch_descriptor(tma_b)
-            cpasync.prefetch_descriptor(tma_d)
+            cpasync.prefetch_descriptor(d.atom)
         cta_rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
         cta_m, cta_n = cta_rank % self.cluster_m, cta_rank // self.cluster_m
         cluster_layout = cute.make_layout((1, self.cluster_m, self.cluster_n, 1))
 
         storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
-        stage_bytes = cute.size_in_bytes(self.ab_dtype, cute.slice_(sa_layout, (None, None, 0))) + cute.size_in_bytes(
-            self.ab_dtype, cute.slice_(sb_layout, (None, None, 0))
+        stage_bytes = cute.size_in_bytes(self.ab_dtype, cute.slice_(layouts.sa, (None, None, 0))) + cute.size_in_bytes(
+            self.ab_dtype, cute.slice_(layouts.sb, (None, None, 0))
         )
         # A stage is released by every consumer warp of each CTA that wrote
         # into it: this CTA and its multicast peers (along M for B, along N for A).
@@ -263,33 +419,40 @@ class HopperGemm:
         )
         pipeline.pipeline_init_arrive(cluster_shape_mn=cluster_layout, is_relaxed=True)
 
-        sa = storage.sa.get_tensor(sa_layout.outer, swizzle=sa_layout.inner)
-        sb = storage.sb.get_tensor(sb_layout.outer, swizzle=sb_layout.inner)
-        sd = storage.sd.get_tensor(sd_layout.outer, swizzle=sd_layout.inner)
-        sbias = storage.sbias.get_tensor(cute.make_layout(self.tile_mnk[1]))
+        smem = SharedTensors(
+            a=storage.sa.get_tensor(layouts.sa.outer, swizzle=layouts.sa.inner),
+            b=storage.sb.get_tensor(layouts.sb.outer, swizzle=layouts.sb.inner),
+            d=storage.sd.get_tensor(layouts.sd.outer, swizzle=layouts.sd.inner),
+            bias=storage.sbias.get_tensor(cute.make_layout(self.tile_mnk[1])),
+        )
 
-        total_rows, total_k = ta.shape[0], ta.shape[1]
-        cluster_id = cute.arch.block_idx()[2]
-        cluster_count = cute.arch.grid_dim()[2]
+        work = Work(
+            cu_seqlens=cu_seqlens,
+            num_groups=num_groups,
+            total_rows=ta.shape[0],
+            total_k=ta.shape[1],
+            n_clusters=n_clusters,
+            cluster_id=cute.arch.block_idx()[2],
+            cluster_count=cute.arch.grid_dim()[2],
+            cta_m=cta_m,
+            cta_n=cta_n,
+        )
         pipeline.pipeline_init_wait(cluster_shape_mn=cluster_layout)
 
         warpgroup_idx = cute.arch.make_warp_uniform(tidx // THREADS_PER_WARPGROUP)
         if warpgroup_idx == 0:
             cute.arch.setmaxregister_decrease(PRODUCER_REGISTERS)
             if warp_idx == 0:
-                self._produce(tma_a, ta, tma_b, tb, sa, sb, mainloop, cta_m, cta_n, cu_seqlens, num_groups,
-                              total_rows, total_k, cluster_id, cluster_count, n_clusters)
+                self._produce(TmaLoads(tma_a, ta, tma_b, tb), smem, mainloop, work)
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGISTERS)
-            self._consume(tiled_mma, out_mma, tma_d, td, d, bias, tma_p, tp, preact, sa, sb, sd, sbias, mainloop,
-                          tidx - THREADS_PER_WARPGROUP, warp_idx, cta_m, cta_n, cu_seqlens, num_groups, total_rows,
-                          total_k, cluster_id, cluster_count, n_clusters)
+            self._consume(layouts, EpilogueOperands(d, bias, preact), smem, mainloop, work,
+                          tidx - THREADS_PER_WARPGROUP, warp_idx)
 
     @cute.jit
-    def _tile(self, cu_seqlens, num_groups, total_rows, total_k, item, cursor, n_clusters, cta_m, cta_n):
-        """Advance the cursor (None: start at group 0) to ``item``; returns (cursor,
-        valid, group, first row of the tile in A, in D, rows of the tile to store,
-        N tile, first K column, K columns, leading K columns outside the group).
+    def _tile(self, work: Work, item, cursor):
+        """Advance the cursor (None: start at group 0) to ``item``; returns the
+        cursor and this CTA's ``Tile`` of the item.
 
         The last tile of a group of at least ``tile_m`` rows is moved up to end
         at the group's end (for a K-contiguous A): it recomputes rows of the
@@ -297,13 +460,14 @@ class HopperGemm:
         by TMA, where a tile hanging over the next group would need a
         predicated store."""
         tile_m = self.tile_mnk[0]
+        cu_seqlens, num_groups, total_rows = work.cu_seqlens, work.num_groups, work.total_rows
         if const_expr(self.varlen_k):
             # Every group has all M rows; only its K range differs.
             m_clusters = (total_rows + (tile_m * self.cluster_m - 1)) // (tile_m * self.cluster_m)
-            per_group = cutlass.max(m_clusters * n_clusters, 1)
+            per_group = cutlass.max(m_clusters * work.n_clusters, 1)
             group = item // per_group
             row_start, rows, first_item = group * total_rows, total_rows, group * per_group
-            k_start, k_len = group_rows(cu_seqlens, group, num_groups, total_k)
+            k_start, k_len = group_rows(cu_seqlens, group, num_groups, work.total_k)
             k_lead = Int32(0)
             if const_expr(not (self.a_m_major and self.b_n_major)):
                 # (K is strided in M- and N-major operands: any start will do,
@@ -316,12 +480,14 @@ class HopperGemm:
             if const_expr(cursor is None):
                 cursor = first_cursor(cu_seqlens, num_groups, total_rows, tile_m * self.cluster_m)
             cursor = find_group(cu_seqlens, num_groups, total_rows, item, cursor, tile_m * self.cluster_m,
-                                n_clusters)
-            group, first_item, row_start, rows, m_clusters = cursor
-            k_start, k_len, k_lead = Int32(0), total_k, Int32(0)
+                                work.n_clusters)
+            group, first_item, m_clusters = cursor.group, cursor.first_item, cursor.m_clusters
+            row_start, rows = cursor.row_start, cursor.rows
+            k_start, k_len, k_lead = Int32(0), work.total_k, Int32(0)
         # max(.., 1): an exhausted cursor (group == num_groups) has no M clusters.
-        m_cluster, n_cluster = tile_in_group(item - first_item, cutlass.max(m_clusters, 1), n_clusters, self.band)
-        tile_row = (m_cluster * self.cluster_m + cta_m) * tile_m
+        m_cluster, n_cluster = tile_in_group(item - first_item, cutlass.max(m_clusters, 1), work.n_clusters,
+                                             self.band)
+        tile_row = (m_cluster * self.cluster_m + work.cta_m) * tile_m
         if const_expr(not self.a_m_major):
             # (An M-contiguous A's box must start at a multiple of 8 rows: its
             # last tile stays in place, stored by the predicated copy.)
@@ -329,108 +495,92 @@ class HopperGemm:
                 tile_row = cutlass.min(tile_row, rows - tile_m)
         rows_left = rows - tile_row
         a_row = tile_row if const_expr(self.varlen_k) else row_start + tile_row
-        return (cursor, group < num_groups, group, a_row, row_start + tile_row, rows_left,
-                n_cluster * self.cluster_n + cta_n, k_start, k_len, k_lead)
+        tile = Tile(valid=group < num_groups, group=group, a_row=a_row, d_row=row_start + tile_row,
+                    rows_left=rows_left, n_tile=n_cluster * self.cluster_n + work.cta_n, k_start=k_start,
+                    k_len=k_len, k_lead=k_lead)
+        return cursor, tile
 
     @cute.jit
-    def _produce(self, tma_a, ta, tma_b, tb, sa, sb, mainloop, cta_m, cta_n, cu_seqlens, num_groups, total_rows,
-                 total_k, cluster_id, cluster_count, n_clusters):
+    def _produce(self, loads: TmaLoads, smem: SharedTensors, mainloop: pipeline.PipelineTmaAsync, work: Work):
         """Producer warp: TMA loads of A and B tiles, stage by stage."""
+        tma_a, ta = loads.tma_a, loads.ta
+        tma_b, tb = loads.tma_b, loads.tb
+        sa, sb = smem.a, smem.b
+        cta_m, cta_n = work.cta_m, work.cta_n
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
         cluster = cute.make_layout((self.cluster_m, self.cluster_n, 1))
         a_mask = cute.make_layout_image_mask(cluster, (cta_m, cta_n, 0), mode=1)
         b_mask = cute.make_layout_image_mask(cluster, (cta_m, cta_n, 0), mode=0)
-        item = cluster_id
-        cursor, valid, group, a_row, d_row, rows_left, n_tile, k_start, k_len, _ = self._tile(
-            cu_seqlens, num_groups, total_rows, total_k, item, None, n_clusters, cta_m, cta_n
-        )
-        while valid:
-            ga = cute.local_tile(cute.domain_offset((a_row, k_start), ta), (self.tile_mnk[0], TILE_K), (0, None))
-            b_group = 0 if const_expr(self.varlen_k) else group
-            gb = cute.local_tile(cute.domain_offset((0, k_start), tb[None, None, b_group]),
-                                 (self.tile_mnk[1], TILE_K), (n_tile, None))
+        item = work.cluster_id
+        cursor, tile = self._tile(work, item, None)
+        while tile.valid:
+            # (TILE_M, TILE_K, k_tiles)
+            ga = cute.local_tile(cute.domain_offset((tile.a_row, tile.k_start), ta), (self.tile_mnk[0], TILE_K),
+                                 (0, None))
+            b_group = 0 if const_expr(self.varlen_k) else tile.group
+            # (TILE_N, TILE_K, k_tiles)
+            gb = cute.local_tile(cute.domain_offset((0, tile.k_start), tb[None, None, b_group]),
+                                 (self.tile_mnk[1], TILE_K), (tile.n_tile, None))
+            # (TMA, STAGES) and (TMA, k_tiles)
             tas, tag = cpasync.tma_partition(tma_a, cta_n, cute.make_layout(self.cluster_n),
                                              cute.group_modes(sa, 0, 2), cute.group_modes(ga, 0, 2))
             tbs, tbg = cpasync.tma_partition(tma_b, cta_m, cute.make_layout(self.cluster_m),
                                              cute.group_modes(sb, 0, 2), cute.group_modes(gb, 0, 2))
-            for k in cutlass.range((k_len + (TILE_K - 1)) // TILE_K, unroll=1):
+            for k in cutlass.range((tile.k_len + (TILE_K - 1)) // TILE_K, unroll=1):
                 mainloop.producer_acquire(state)
                 barrier = mainloop.producer_get_barrier(state)
                 _tma_load(tma_a, tag[None, k], tas[None, state.index], barrier, a_mask, self.cluster_n)
                 _tma_load(tma_b, tbg[None, k], tbs[None, state.index], barrier, b_mask, self.cluster_m)
                 mainloop.producer_commit(state)
                 state.advance()
-            item = item + cluster_count
-            cursor, valid, group, a_row, d_row, rows_left, n_tile, k_start, k_len, _ = self._tile(
-                cu_seqlens, num_groups, total_rows, total_k, item, cursor, n_clusters, cta_m, cta_n
-            )
+            item = item + work.cluster_count
+            cursor, tile = self._tile(work, item, cursor)
         mainloop.producer_tail(state)
 
     @cute.jit
-    def _consume(self, tiled_mma, out_mma, tma_d, td, d, bias, tma_p, tp, preact, sa, sb, sd, sbias, mainloop, tidx,
-                 warp_idx,
-                 cta_m, cta_n, cu_seqlens, num_groups, total_rows, total_k, cluster_id, cluster_count, n_clusters):
-        """Consumer warpgroups: WGMMA over the stages, then the epilogue."""
+    def _consume(self, layouts: KernelLayouts, operands: EpilogueOperands, smem: SharedTensors,
+                 mainloop: pipeline.PipelineTmaAsync, work: Work, tidx, warp_idx):
+        """Consumer warpgroups (``tidx`` counts their threads): WGMMA over the
+        stages, then the epilogue."""
+        tiled_mma = layouts.tiled_mma
+        sa, sb = smem.a, smem.b
         thr_mma = tiled_mma.get_slice(tidx)
-        stores_preact = preact is not None and not self.derivative
-        frag_a = tiled_mma.make_fragment_A(thr_mma.partition_A(sa))
-        frag_b = tiled_mma.make_fragment_B(thr_mma.partition_B(sb))
+        frag_a = tiled_mma.make_fragment_A(thr_mma.partition_A(sa))  # (MMA, MMA_M, MMA_K, STAGES)
+        frag_b = tiled_mma.make_fragment_B(thr_mma.partition_B(sb))  # (MMA, MMA_N, MMA_K, STAGES)
         acc_shape = thr_mma.partition_C(cute.make_identity_tensor(self.tile_mnk[:2])).shape
-        acc = cute.make_rmem_tensor(acc_shape, cutlass.Float32)
+        acc = cute.make_rmem_tensor(acc_shape, cutlass.Float32)  # (MMA, MMA_M, MMA_N)
         k_blocks = cute.size(frag_a, mode=[2])
         tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
 
-        # Epilogue: registers -> shared (stmatrix) -> global (TMA or predicated copy).
-        r2s = epilogue_copy(tiled_mma, self.d_major, self.d_dtype)
-        thr_r2s = r2s.get_slice(tidx)
-        r2s_sd = thr_r2s.partition_D(sd)
-        r2s_acc = r2s.retile(acc)
-        sub_shape = cute.shape(thr_r2s.partition_S(sd))[:3]
-        sub_acc = cute.make_rmem_tensor(sub_shape, cutlass.Float32)
-        sub_out = cute.make_rmem_tensor(sub_shape, self.d_dtype)
-        acc_coords = thr_mma.partition_C(cute.make_identity_tensor(self.tile_mnk[:2]))
-        if const_expr(self.gated):
-            # D's values in the half- (double-) width MMA's layout, and its store path.
-            out_coords = out_mma.get_slice(tidx).partition_C(
-                cute.make_identity_tensor((self.tile_mnk[0], self.out_tile_n))
-            )
-            gated = cute.make_rmem_tensor(out_coords.shape, cutlass.Float32)
-            r2s_out = epilogue_copy(out_mma, self.d_major, self.d_dtype)
-            r2s_out_sd = r2s_out.get_slice(tidx).partition_D(sd)
-            r2s_gated = r2s_out.retile(gated)
-            gated_sub = cute.make_rmem_tensor(cute.shape(r2s_out.get_slice(tidx).partition_S(sd))[:3], self.d_dtype)
-        # (row, col) in the tile of each accumulator, in sub_acc's order (as r2s_acc is built).
-        r2s_coords = r2s.retile(thr_mma.partition_C(cute.make_identity_tensor(self.tile_mnk[:2])))
+        regs, gated = self._epilogue_registers(layouts, smem.d, thr_mma, acc, tidx)
         store_pipe = pipeline.PipelineTmaStore.create(
             num_stages=EPILOGUE_BUFFERS,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.consumer_threads),
         )
         epi_barrier = pipeline.NamedBarrier(barrier_id=EPILOGUE_BARRIER_ID, num_threads=self.consumer_threads)
         store_warp = warp_idx == THREADS_PER_WARPGROUP // 32  # the first consumer warp
-        subtiles = self.tile_mnk[1] // EPILOGUE_N
-        out_subtiles = self.out_tile_n // EPILOGUE_N
+        sync = EpilogueSync(smem.d, tidx, store_warp, store_pipe, epi_barrier)
 
         read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         release_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
-        item = cluster_id
+        item = work.cluster_id
         stores = Int32(0)  # subtiles stored so far: the next shared buffer
-        cursor, valid, group, a_row, tile_start, rows_left, n_tile, k_start, k_len, k_lead = self._tile(
-            cu_seqlens, num_groups, total_rows, total_k, item, None, n_clusters, cta_m, cta_n
-        )
-        while valid:
-            if const_expr(bias is not None):
+        cursor, tile = self._tile(work, item, None)
+        while tile.valid:
+            if const_expr(operands.bias is not None):
                 # The tile's bias columns, read once while the main loop runs
                 # (the last tile's epilogue ended on a barrier: no thread
                 # still reads them).
-                self._stage_bias(bias, sbias, n_tile * self.tile_mnk[1], d.shape[1], tidx)
+                self._stage_bias(operands.bias, smem.bias, tile.n_tile * self.tile_mnk[1],
+                                 operands.d.tensor.shape[1], tidx)
             # Mainloop: one WGMMA batch stays in flight; its stage is released one step late.
             acc.fill(0.0)
-            k_tiles = (k_len + (TILE_K - 1)) // TILE_K
+            k_tiles = (tile.k_len + (TILE_K - 1)) // TILE_K
             for k in cutlass.range(k_tiles, unroll=1):
                 mainloop.consumer_wait(read_state)
                 if const_expr(self.varlen_k):
                     # The stage's columns outside the group: [lo, hi) are its own.
-                    lo, hi = k_lead - k * TILE_K, k_len - k * TILE_K
+                    lo, hi = tile.k_lead - k * TILE_K, tile.k_len - k * TILE_K
                     if (lo > 0) | (hi < TILE_K):
                         self._zero_outside_group(sa[None, None, read_state.index], sb[None, None, read_state.index],
                                                  lo, hi, tidx)
@@ -451,57 +601,90 @@ class HopperGemm:
                 mainloop.consumer_release(release_state)
                 release_state.advance()
 
-            # Epilogue: per 32-column subtile, bias and activation in fp32, then
-            # registers -> shared (stmatrix) -> global (TMA, or a predicated copy).
-            whole_tile = rows_left >= self.tile_mnk[0]
-            bsd, bgd = self._tma_subtiles(tma_d, td, sd, tile_start, n_tile, self.out_tile_n)
-            bsp, bgp = None, None
-            if const_expr(stores_preact):
-                bsp, bgp = self._tma_subtiles(tma_p, tp, sd, tile_start, n_tile, self.tile_mnk[1])
-            if const_expr(self.derivative and not self.gated):
-                self._scale_by_derivative(acc, acc_coords, preact, tile_start, n_tile * self.tile_mnk[1], rows_left)
-            if const_expr(bias is not None):
-                epi_barrier.arrive_and_wait()  # every thread's share of the bias is in
-            for sub in cutlass.range_constexpr(subtiles):
-                for v in cutlass.range_constexpr(cute.size(sub_acc)):
-                    sub_acc[v] = r2s_acc[sub * cute.size(sub_acc) + v]
-                if const_expr(bias is not None):
-                    for v in cutlass.range_constexpr(cute.size(sub_acc)):
-                        sub_acc[v] = sub_acc[v] + sbias[r2s_coords[sub * cute.size(sub_acc) + v][1]]
-                if const_expr(stores_preact):
-                    sub_out.store(sub_acc.load().to(self.d_dtype))
-                    self._store_subtile(r2s, sub_out, r2s_sd, sd, stores % EPILOGUE_BUFFERS, tma_p, bsp, bgp, preact,
-                                        sub, whole_tile, rows_left, tile_start, n_tile * self.tile_mnk[1], tidx,
-                                        store_warp, store_pipe, epi_barrier)
-                    stores = stores + 1
-                if const_expr(not self.gated):
-                    if const_expr(self.activation is not None and not self.derivative):
-                        for v in cutlass.range_constexpr(cute.size(sub_acc)):
-                            sub_acc[v] = activate(sub_acc[v], self.activation)
-                    sub_out.store(sub_acc.load().to(self.d_dtype))
-                    self._store_subtile(r2s, sub_out, r2s_sd, sd, stores % EPILOGUE_BUFFERS, tma_d, bsd, bgd, d, sub,
-                                        whole_tile, rows_left, tile_start, n_tile * self.tile_mnk[1], tidx,
-                                        store_warp, store_pipe, epi_barrier)
-                    stores = stores + 1
-            if const_expr(self.gated):
-                if const_expr(self.derivative):
-                    self._gate_gradients(acc, gated, out_coords, preact, tile_start, n_tile * self.out_tile_n,
-                                         rows_left, tidx)
-                else:
-                    self._gate(acc, gated, tidx)
-                per_sub = cute.size(gated_sub)
-                for sub in cutlass.range_constexpr(out_subtiles):
-                    for v in cutlass.range_constexpr(per_sub):
-                        gated_sub[v] = r2s_gated[sub * per_sub + v].to(self.d_dtype)
-                    self._store_subtile(r2s_out, gated_sub, r2s_out_sd, sd, stores % EPILOGUE_BUFFERS, tma_d, bsd,
-                                        bgd, d, sub, whole_tile, rows_left, tile_start, n_tile * self.out_tile_n,
-                                        tidx, store_warp, store_pipe, epi_barrier)
-                    stores = stores + 1
-            item = item + cluster_count
-            cursor, valid, group, a_row, tile_start, rows_left, n_tile, k_start, k_len, k_lead = self._tile(
-                cu_seqlens, num_groups, total_rows, total_k, item, cursor, n_clusters, cta_m, cta_n
-            )
+            stores = self._epilogue(regs, gated, operands, smem.bias, tile, sync, stores)
+            item = item + work.cluster_count
+            cursor, tile = self._tile(work, item, cursor)
         store_pipe.producer_tail()
+
+    @cute.jit
+    def _epilogue_registers(self, layouts: KernelLayouts, sd, thr_mma, acc, tidx):
+        """The epilogue's register tensors and store paths around the
+        accumulators ``acc``: (``EpilogueRegisters``, ``GatedRegisters`` or
+        None)."""
+        # Registers -> shared (stmatrix) -> global (TMA or predicated copy).
+        r2s = epilogue_copy(layouts.tiled_mma, self.d_major, self.d_dtype)
+        thr_r2s = r2s.get_slice(tidx)
+        r2s_sd = thr_r2s.partition_D(sd)  # (R2S, R2S_M, R2S_N, EPILOGUE_BUFFERS)
+        r2s_acc = r2s.retile(acc)  # (R2S, R2S_M, R2S_N * subtiles)
+        sub_shape = cute.shape(thr_r2s.partition_S(sd))[:3]  # (R2S, R2S_M, R2S_N)
+        sub_acc = cute.make_rmem_tensor(sub_shape, cutlass.Float32)
+        sub_out = cute.make_rmem_tensor(sub_shape, self.d_dtype)
+        acc_coords = thr_mma.partition_C(cute.make_identity_tensor(self.tile_mnk[:2]))  # (MMA, MMA_M, MMA_N)
+        gated = None
+        if const_expr(self.gated):
+            # D's values in the half- (double-) width MMA's layout, and its store path.
+            out_coords = layouts.out_mma.get_slice(tidx).partition_C(
+                cute.make_identity_tensor((self.tile_mnk[0], self.out_tile_n))
+            )  # (MMA, MMA_M, MMA_N')
+            values = cute.make_rmem_tensor(out_coords.shape, cutlass.Float32)
+            r2s_out = epilogue_copy(layouts.out_mma, self.d_major, self.d_dtype)
+            r2s_out_sd = r2s_out.get_slice(tidx).partition_D(sd)  # (R2S, R2S_M, R2S_N, EPILOGUE_BUFFERS)
+            r2s_values = r2s_out.retile(values)  # (R2S, R2S_M, R2S_N * out_subtiles)
+            gated_sub = cute.make_rmem_tensor(cute.shape(r2s_out.get_slice(tidx).partition_S(sd))[:3], self.d_dtype)
+            gated = GatedRegisters(out_coords, values, r2s_values, gated_sub, RegistersToShared(r2s_out, r2s_out_sd))
+        # (row, col) in the tile of each accumulator, in sub_acc's order (as r2s_acc is built).
+        r2s_coords = r2s.retile(thr_mma.partition_C(cute.make_identity_tensor(self.tile_mnk[:2])))
+        regs = EpilogueRegisters(acc, acc_coords, r2s_acc, r2s_coords, sub_acc, sub_out, RegistersToShared(r2s, r2s_sd))
+        return regs, gated
+
+    @cute.jit
+    def _epilogue(self, regs: EpilogueRegisters, gated: Optional[GatedRegisters], operands: EpilogueOperands,
+                  sbias, tile: Tile, sync: EpilogueSync, stores):
+        """Per 32-column subtile, bias and activation in fp32, then registers
+        -> shared (stmatrix) -> global (TMA, or a predicated copy).  Returns
+        ``stores`` advanced by the subtiles stored."""
+        bias, preact = operands.bias, operands.preact
+        stores_preact = preact.tensor is not None and not self.derivative
+        rows = SubtileRows(whole=tile.rows_left >= self.tile_mnk[0], rows_left=tile.rows_left, first_row=tile.d_row)
+        d_target = self._subtile_target(operands.d, sync.sd, tile, self.out_tile_n)
+        p_target = None
+        if const_expr(stores_preact):
+            p_target = self._subtile_target(preact, sync.sd, tile, self.tile_mnk[1])
+        if const_expr(self.derivative and not self.gated):
+            self._scale_by_derivative(regs.acc, regs.acc_coords, preact.tensor, rows, d_target.first_col)
+        if const_expr(bias is not None):
+            sync.barrier.arrive_and_wait()  # every thread's share of the bias is in
+        sub_acc, sub_out, r2s_acc = regs.sub_acc, regs.sub_out, regs.r2s_acc
+        for sub in cutlass.range_constexpr(self.tile_mnk[1] // EPILOGUE_N):
+            for v in cutlass.range_constexpr(cute.size(sub_acc)):
+                sub_acc[v] = r2s_acc[sub * cute.size(sub_acc) + v]
+            if const_expr(bias is not None):
+                for v in cutlass.range_constexpr(cute.size(sub_acc)):
+                    sub_acc[v] = sub_acc[v] + sbias[regs.r2s_coords[sub * cute.size(sub_acc) + v][1]]
+            if const_expr(stores_preact):
+                sub_out.store(sub_acc.load().to(self.d_dtype))
+                self._store_subtile(sub_out, regs.r2s, p_target, sub, stores % EPILOGUE_BUFFERS, rows, sync)
+                stores = stores + 1
+            if const_expr(not self.gated):
+                if const_expr(self.activation is not None and not self.derivative):
+                    for v in cutlass.range_constexpr(cute.size(sub_acc)):
+                        sub_acc[v] = activate(sub_acc[v], self.activation)
+                sub_out.store(sub_acc.load().to(self.d_dtype))
+                self._store_subtile(sub_out, regs.r2s, d_target, sub, stores % EPILOGUE_BUFFERS, rows, sync)
+                stores = stores + 1
+        if const_expr(self.gated):
+            if const_expr(self.derivative):
+                self._gate_gradients(regs.acc, gated, preact.tensor, rows, d_target.first_col, sync.tidx)
+            else:
+                self._gate(regs.acc, gated.values, sync.tidx)
+            gated_sub, r2s_values = gated.sub_out, gated.r2s_values
+            per_sub = cute.size(gated_sub)
+            for sub in cutlass.range_constexpr(self.out_tile_n // EPILOGUE_N):
+                for v in cutlass.range_constexpr(per_sub):
+                    gated_sub[v] = r2s_values[sub * per_sub + v].to(self.d_dtype)
+                self._store_subtile(gated_sub, gated.r2s, d_target, sub, stores % EPILOGUE_BUFFERS, rows, sync)
+                stores = stores + 1
+        return stores
 
     @cute.jit
     def _stage_bias(self, bias, sbias, col0, n, tidx):
@@ -516,27 +699,33 @@ class HopperGemm:
                     value = bias[col0 + i].to(cutlass.Float32)
                 sbias[i] = value
 
-    def _tma_subtiles(self, tma, t, sd, tile_start, n_tile, tile_n: int):
-        """The TMA store partitions (shared buffers, global subtiles) of the
-        output tile at ``tile_start`` rows, N tile ``n_tile`` of ``tile_n`` columns."""
-        g = cute.local_tile(cute.domain_offset((tile_start, 0), t), (self.tile_mnk[0], tile_n), (0, n_tile))
-        return cpasync.tma_partition(tma, 0, cute.make_layout(1), cute.group_modes(sd, 0, 2),
-                                     cute.zipped_divide(g, self.epi_tile))
+    def _subtile_target(self, store: TmaStore, sd, tile: Tile, tile_n: int) -> SubtileTarget:
+        """The TMA store partitions (shared buffers, global subtiles) of
+        ``store``'s output tile at ``tile``, of ``tile_n`` columns."""
+        # (TILE_M, tile_n)
+        g = cute.local_tile(cute.domain_offset((tile.d_row, 0), store.tma_tensor), (self.tile_mnk[0], tile_n),
+                            (0, tile.n_tile))
+        # (TMA, EPILOGUE_BUFFERS) and (TMA, (1, tile_n / EPILOGUE_N))
+        smem_boxes, gmem_boxes = cpasync.tma_partition(store.atom, 0, cute.make_layout(1), cute.group_modes(sd, 0, 2),
+                                                       cute.zipped_divide(g, self.epi_tile))
+        return SubtileTarget(store.atom, smem_boxes, gmem_boxes, store.tensor, tile.n_tile * tile_n)
 
     @cute.jit
-    def _store_subtile(self, r2s, values, r2s_sd, sd, buffer, tma, bs, bg, g, sub, whole_tile, rows_left, tile_start,
-                       tile_col, tidx, store_warp, store_pipe, epi_barrier):
-        """One 32-column subtile of registers to ``g`` (the tile's first column
-        ``tile_col``): through shared ``buffer``, stored whole by TMA or row by
-        row (a partial tile)."""
-        cute.copy(r2s, values, r2s_sd[None, None, None, buffer])
+    def _store_subtile(self, values, r2s: RegistersToShared, target: SubtileTarget, sub: int, buffer,
+                       rows: SubtileRows, sync: EpilogueSync):
+        """Subtile ``sub`` (32 columns) of ``values`` to the target: through
+        shared ``buffer``, stored whole by TMA or row by row (a partial
+        tile)."""
+        store_warp, store_pipe, epi_barrier = sync.store_warp, sync.store_pipe, sync.barrier
+        cute.copy(r2s.copy, values, r2s.smem[None, None, None, buffer])
         cute.arch.fence_proxy("async.shared", space="cta")
         epi_barrier.arrive_and_wait()
-        if whole_tile:
+        if rows.whole:
             if store_warp:
-                cute.copy(tma, bs[None, buffer], bg[None, (0, sub)])
-        elif rows_left > 0:
-            self._store_rows(sd[None, None, buffer], g, tile_start, tile_col + sub * EPILOGUE_N, rows_left, tidx)
+                cute.copy(target.atom, target.smem_boxes[None, buffer], target.gmem_boxes[None, (0, sub)])
+        elif rows.rows_left > 0:
+            self._store_rows(sync.sd[None, None, buffer], target.tensor, rows.first_row,
+                             target.first_col + sub * EPILOGUE_N, rows.rows_left, sync.tidx)
         if store_warp:
             # Every subtile, stored by TMA or not: the wait keeps a buffer
             # from being refilled while an earlier TMA store still reads it.
@@ -567,10 +756,11 @@ class HopperGemm:
                     gated[4 * j + 2 * r + c] = cutlass.Float32(cutlass.select_(q >= 2, high, low))
 
     @cute.jit
-    def _scale_by_derivative(self, acc, coords, z, tile_start, col0, rows_left):
+    def _scale_by_derivative(self, acc, coords, z, rows: SubtileRows, col0):
         """acc *= act'(Z) at each value's coordinates (tile ``coords``; the
-        tile's first row and column ``tile_start``, ``col0``); values outside
-        the group's rows or Z's columns are never stored."""
+        tile's first row ``rows.first_row``, first column ``col0``); values
+        outside the group's rows or Z's columns are never stored."""
+        tile_start, rows_left = rows.first_row, rows.rows_left
         for i in cutlass.range_constexpr(cute.size(acc)):
             row, col = coords[i]
             if (row < rows_left) & (col0 + col < z.shape[1]):
@@ -578,12 +768,14 @@ class HopperGemm:
                                                    self.activation)
 
     @cute.jit
-    def _gate_gradients(self, acc, grads, coords, z, tile_start, col0, rows_left, tidx):
-        """``grads`` (the double-width MMA's layout) = the gradients of the
-        gate and up columns of the saved Z, from ``acc``, the gated output's
-        gradient g.  Lane q of a quad holds D columns 8 c + 2 q and + 1 of
+    def _gate_gradients(self, acc, gated: GatedRegisters, z, rows: SubtileRows, col0, tidx):
+        """``gated.values`` (the double-width MMA's layout) = the gradients of
+        the gate and up columns of the saved Z, from ``acc``, the gated
+        output's gradient g.  Lane q of a quad holds D columns 8 c + 2 q and + 1 of
         chunk c: gate and up of g's column j = 4 c + q, which lives on lane
         (j % 8) // 2 at index j % 2 + 2 r + 4 (j // 8)."""
+        grads, coords = gated.values, gated.coords
+        tile_start, rows_left = rows.first_row, rows.rows_left
         lane = tidx % 32
         q = lane % 4
         for c in cutlass.range_constexpr(cute.size(grads) // 4):

@@ -7,7 +7,7 @@ Inside a group, items run along bands of ``band`` cluster columns (N fastest
 within a band, then down M), so that the clusters in flight cover a roughly
 square patch of the output and share A row blocks and B column blocks in L2.
 
-A group cursor is the tuple (group, first item, first row, rows, M clusters).
+A ``GroupCursor`` says where a walk stands: the group the last item fell in.
 
 The producer warp and the consumer warpgroups each run their own copy of this
 walk; it is deterministic, so they agree without exchanging messages.
@@ -15,9 +15,24 @@ walk; it is deterministic, so they agree without exchanging messages.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import cutlass
 import cutlass.cute as cute
 from cutlass import Int32
+
+
+class GroupCursor(NamedTuple):
+    """A group of the walk (``num_groups`` once the groups ran out) and where
+    it starts: its first work item, its first row and row count, and its
+    number of M clusters.  A NamedTuple, so the DSL carries it through a
+    dynamic loop like the plain values it holds."""
+
+    group: Int32
+    first_item: Int32
+    row_start: Int32
+    rows: Int32
+    m_clusters: Int32
 
 
 def group_rows(cu_seqlens, group, num_groups, total_rows):
@@ -42,16 +57,17 @@ def _clamp(value, low, high):
 def first_cursor(cu_seqlens, num_groups, total_rows, cluster_rows: int):
     """The cursor at group 0."""
     row_start, rows = group_rows(cu_seqlens, Int32(0), num_groups, total_rows)
-    return Int32(0), Int32(0), row_start, rows, (rows + (cluster_rows - 1)) // cluster_rows
+    return GroupCursor(Int32(0), Int32(0), row_start, rows, (rows + (cluster_rows - 1)) // cluster_rows)
 
 
 @cute.jit
-def find_group(cu_seqlens, num_groups: Int32, total_rows: Int32, item: Int32, cursor,
-               cluster_rows: cutlass.Constexpr, n_clusters: Int32):
+def find_group(cu_seqlens, num_groups: Int32, total_rows: Int32, item: Int32, cursor: GroupCursor,
+               cluster_rows: cutlass.Constexpr, n_clusters: Int32) -> GroupCursor:
     """Advance a group cursor until ``item`` lies in its group or the groups run
     out (then its group is ``num_groups``).  Items only grow, so each walk is
     linear in the number of groups overall."""
-    group, first_item, row_start, rows, m_clusters = cursor
+    group, first_item, m_clusters = cursor.group, cursor.first_item, cursor.m_clusters
+    row_start, rows = cursor.row_start, cursor.rows
     items = m_clusters * n_clusters
     if cutlass.const_expr(cu_seqlens is None):
         if item >= items:
@@ -63,7 +79,7 @@ def find_group(cu_seqlens, num_groups: Int32, total_rows: Int32, item: Int32, cu
             row_start, rows = group_rows(cu_seqlens, group, num_groups, total_rows)
             m_clusters = (rows + (cluster_rows - 1)) // cluster_rows
             items = m_clusters * n_clusters
-    return group, first_item, row_start, rows, m_clusters
+    return GroupCursor(group, first_item, row_start, rows, m_clusters)
 
 
 def tile_in_group(local_item, m_clusters, n_clusters, band: int):
