@@ -820,8 +820,7 @@ class HopperGemm:
         """The columns outside [lo, hi) of an M- (N-) major stage, 16 bytes per
         store: a column is contiguous there, and the swizzle moves whole
         16-byte chunks.  (The varlen-K weight gradient's operands, Xᵀ and dY,
-        are both of this kind; a scalar store per element cost it a fifth of
-        its throughput.)"""
+        are both of this kind.)"""
         vec = 128 // self.ab_dtype.width
         lanes = rows // vec  # threads along a column
         zero_copy = cute.make_tiled_copy_tv(
