@@ -54,7 +54,7 @@ each lane's D columns 2 j and 2 j + 1 need g_j from the lane holding it
 (two shuffles), D laid out as a double-width MMA's (tile_n at most 128).
 
 Nothing here depends on M, N, K or the number of groups: they are dynamic, so
-one compiled object serves every problem size (see ``quack/families/gemm/op.py``).
+one compiled object serves every problem size (see ``quack/families/gemm/signature.py``).
 """
 
 from __future__ import annotations

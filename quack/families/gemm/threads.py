@@ -1,6 +1,6 @@
 """Threads of the Hopper GEMM's CTAs, on the host and without the CuTe DSL:
 the kernel (``quack/families/gemm/kernel.py``) is built with them and a call sizes
-its persistent grid with them (``quack/families/gemm/op.py``)."""
+its persistent grid with them (``quack/families/gemm/config.py``)."""
 
 THREADS_PER_WARPGROUP = 128
 
