@@ -109,13 +109,13 @@ def gpu_stand_in(monkeypatch):
     warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
 
 
-# The module whose ``plan_for`` an eager call asks (the family's op.py unless named here).
+# The module whose ``plan_for`` an eager call asks (the row-wise ops' shared eager step unless named here).
 _PLANNING_MODULES = {"gemm": "quack.families.gemm.signature"}
 
 
 @pytest.mark.parametrize("op, case", list(_cases()))
 def test_compile_only_warms_the_eager_plan(op, case, monkeypatch, gpu_stand_in):
-    op_module = importlib.import_module(_PLANNING_MODULES.get(op, f"quack.families.{op}.op"))
+    op_module = importlib.import_module(_PLANNING_MODULES.get(op, "quack.calls.eager"))
     with compile_only_mode():
         ours, inputs, params, mode = _captured_case(importlib.import_module(f"tests.test_{op}"), case, monkeypatch)
         floats = [k for k, v in inputs.items() if isinstance(v, torch.Tensor) and v.is_floating_point()]
@@ -205,10 +205,10 @@ def test_compile_only_sees_grad_mode_inside_a_differentiated_function(name, monk
     # grad mode (compile_only.warming_gradients): before, warming saw only
     # "differentiated" and warmed the training plan for every call.
     fn, backward = _GRAD_MODE_CALLS[name]
-    layernorm = importlib.import_module("quack.families.layernorm.op")
+    eager = importlib.import_module("quack.calls.eager")  # where the eager layernorm call plans
     real_plan_for = quack.calls.plan.plan_for
     planned = []
-    monkeypatch.setattr(layernorm, "plan_for", lambda sig: planned.append(sig) or real_plan_for(sig))
+    monkeypatch.setattr(eager, "plan_for", lambda sig: planned.append(sig) or real_plan_for(sig))
     monkeypatch.setattr(quack.calls.plan.Kernel, "load", lambda kernel: lambda *args: None)
     with compile_only_mode():
         x = torch.randn(8, 4096, device="cuda", dtype=torch.bfloat16)
@@ -221,10 +221,10 @@ def test_compile_only_sees_grad_mode_inside_a_differentiated_function(name, monk
 def test_warming_detaches_what_is_not_differentiated(monkeypatch, gpu_stand_in):
     # As the GPU run's evaluate(): a Parameter not differentiated reaches the
     # op without its flag, and the call leaves no mark on the caller's tensors.
-    layernorm = importlib.import_module("quack.families.layernorm.op")
+    eager = importlib.import_module("quack.calls.eager")  # where the eager layernorm call plans
     real_plan_for = quack.calls.plan.plan_for
     planned = []
-    monkeypatch.setattr(layernorm, "plan_for", lambda sig: planned.append(sig) or real_plan_for(sig))
+    monkeypatch.setattr(eager, "plan_for", lambda sig: planned.append(sig) or real_plan_for(sig))
     monkeypatch.setattr(quack.calls.plan.Kernel, "load", lambda kernel: lambda *args: None)
 
     def written_then_normed(x, weight):
