@@ -14,3 +14,12 @@ KERNEL_FAMILIES = [
     "rmsnorm",
     "softmax",
 ]
+
+def check_family_packages(packages):
+    """Fails the build unless `packages` (the folders quack/families/*/) are KERNEL_FAMILIES.
+
+    Args:
+      packages: the kernel family packages found under quack/families/.
+    """
+    if sorted(packages) != sorted(KERNEL_FAMILIES):
+        fail("the kernel family packages quack/families/*/ are %s, tools/kernel_families.bzl lists %s: make them agree" % (sorted(packages), sorted(KERNEL_FAMILIES)))

@@ -260,9 +260,8 @@ def fake_rows_input(sig: Signature, validate: Callable[[Any], None]):
     one = fake_tensor(sig, "dtype", (1, 1))  # (a dtype field no torch dtype has raises here, as itself)
     with blame(sig, "dtype"):
         validate(one)
-    row = fake_tensor(sig, "dtype", (1, sig.n))
     with blame(sig, "n"):
-        validate(row)
+        validate(fake_tensor(sig, "dtype", (1, sig.n)))
     offset = sig.vec if 0 < sig.vec < ti.full_width(sig.n, sig.dtype) else 0
     return fake_tensor(sig, "dtype", (1, sig.n), offset)
 
