@@ -57,7 +57,7 @@ from pathlib import Path
 from typing import BinaryIO, Callable, Iterable, Iterator, TypeVar
 
 from .errors import CacheError
-from .files import MAX_OBJECT_BYTES, MAX_SIDECAR_BYTES, ownership_problem
+from .files import MAX_OBJECT_BYTES, MAX_SIDECAR_BYTES, ownership_problem, private_folder
 from .key import CACHE_FORMAT_VERSION
 from .maintenance import FAMILY, KEYHASH, Entry, check, scan
 from .store import Layer, key_lock, writable_problem
@@ -415,7 +415,7 @@ def _stage_members(bundle: _Bundle, staging: Layer, objects: list[dict]) -> list
 
 def _stage_file(bundle: _Bundle, info: tarfile.TarInfo, path: Path) -> str:
     """Write member ``info`` to ``path`` (created private); returns its sha256."""
-    _mkdir_private(path.parent)
+    private_folder(path.parent)
     digest = hashlib.sha256()
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     with os.fdopen(fd, "wb") as out:
@@ -442,15 +442,6 @@ def _verify_staged(staging: Layer, objects: list[dict]) -> list[str]:
 # --- the target layer -------------------------------------------------------------------------
 
 
-def _mkdir_private(path: Path) -> None:
-    """Create folder ``path`` 0700 whatever the umask (an existing one is left as it is)."""
-    try:
-        os.mkdir(path, 0o700)
-    except FileExistsError:
-        return
-    os.chmod(path, 0o700)
-
-
 def _private_root(into: Path) -> Path:
     """The real path of layer ``into``, created private with its missing parents.
 
@@ -463,7 +454,7 @@ def _private_root(into: Path) -> Path:
         raise BundleError(problem)
     missing = list(itertools.takewhile(lambda p: not os.path.lexists(p), (into, *into.parents)))
     for folder in reversed(missing):
-        _mkdir_private(folder)
+        private_folder(folder)
     problem = writable_problem(into)
     if problem:
         raise BundleError(problem)
@@ -619,7 +610,7 @@ def _move_into_place(target: Layer, staging: Layer, objects: list[dict]) -> tupl
             files = [(staging.object_path(family, keyhash), target.object_path(family, keyhash), obj["sha256"]),
                      (staging.sidecar_path(family, keyhash), target.sidecar_path(family, keyhash),
                       obj["sidecar_sha256"])]
-            _mkdir_private(target.root / family)
+            private_folder(target.root / family)
             with key_lock(target, family, keyhash):  # refuses a family folder that is a link
                 for _, dest, _ in files:
                     problem = _node_problem(dest, folder=False)
