@@ -22,7 +22,7 @@ from .errors import CacheError, CacheMissError
 from quack.launch.handle import KernelHandle, _noop_kernel
 from .jit import clear, jit_cache
 from .key import CACHE_FORMAT_VERSION
-from .key import compile_options as _options_for
+from .key import options_for_arch
 from .mode import _COMPILE_ONLY_DEPTH, compile_only_active
 from .stats import stats
 
@@ -42,7 +42,7 @@ __all__ = [
 
 def compile_options() -> str:
     """Options for ``cute.compile``: the current GPU arch plus the pinned host target."""
-    return _options_for(current_arch())
+    return options_for_arch(current_arch())
 
 
 class _CacheModule(types.ModuleType):

@@ -33,7 +33,7 @@ CACHE_FORMAT_VERSION = 2
 _STATIC_SCALARS = (str, int, float, bool, type(None))
 
 
-def compile_options(arch: str) -> str:
+def options_for_arch(arch: str) -> str:
     """The ``cute.compile`` options string for ``arch`` with the pinned host target."""
     return f"--gpu-arch {arch} --host-target '{HOST_TARGET}'"
 
@@ -53,7 +53,7 @@ def object_key(
         "cuda": cuda_flavour(),
         "arch": arch,
         "host_target": HOST_TARGET,
-        "options": compile_options(arch),
+        "options": options_for_arch(arch),
         # JSON round trip: tuples become lists, as they read back from a sidecar.
         "args": json.loads(json.dumps(static_args)),
     }
