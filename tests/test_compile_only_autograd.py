@@ -14,6 +14,7 @@ import importlib
 
 import quack
 import quack.calls.plan
+import quack.calls.torch_interop
 from quack.compile_only import compile_only_mode
 from quack.compile_only.gpu import CUDA_BUILD, CPU_BUILD_MESSAGE, missing_private_names
 
