@@ -4,7 +4,6 @@ an error that says so), and `prune --dry-run` names exactly what prune removes."
 import json
 import os
 import time
-from pathlib import Path
 
 import pytest
 

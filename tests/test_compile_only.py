@@ -8,7 +8,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
 import quack.cache
-from quack.cache import _COMPILE_ONLY_DEPTH
+from quack.cache.mode import _COMPILE_ONLY_DEPTH
 from quack.compile_only import CompileOnlyFakeTensorMode, compile_only_mode, is_compile_only
 
 

@@ -16,7 +16,7 @@ import cutlass  # noqa: E402
 import cutlass.tensor_utils as tensor_utils  # noqa: E402
 import cutlass.utils.hopper_helpers as sm90  # noqa: E402
 
-from quack.cache.key import compile_options  # noqa: E402
+from quack.cache.key import options_for_arch  # noqa: E402
 from quack.families.gemm.kernel import EPILOGUE_N, epilogue_copy  # noqa: E402
 
 TILE = (128, 256)
@@ -40,7 +40,7 @@ def _coordinates(d_dtype, threads=(0, 1, 5, 37, 200)):
             dest = r2s.get_slice(t).partition_D(cute.make_identity_tensor((TILE[0], EPILOGUE_N)))
             got[t] = ([tuple(source[v]) for v in range(VALUES)], [tuple(dest[v]) for v in range(VALUES)])
 
-    cute.compile(trace, options=compile_options("sm_90a"))  # traced for the H200, whatever GPU is here
+    cute.compile(trace, options=options_for_arch("sm_90a"))  # traced for the H200, whatever GPU is here
     return got
 
 
@@ -78,7 +78,7 @@ def _accumulator_coordinates(tile_n, threads):
             coords = tiled_mma.get_slice(t).partition_C(cute.make_identity_tensor((TILE[0], tile_n)))
             got[t] = [tuple(coords[v]) for v in range(cute.size(coords))]
 
-    cute.compile(trace, options=compile_options("sm_90a"))
+    cute.compile(trace, options=options_for_arch("sm_90a"))
     return got
 
 

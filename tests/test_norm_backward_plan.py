@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from quack.calls import occupancy
-from quack.rowwise import device as rowwise
+from quack.rowwise import config as rowwise
 from quack.calls import torch_interop as ti
 from quack.rowwise.norm_backward_grid import L2, REGISTERS, SMEM, SMEM_BUDGET, _staged_bytes, ctas_per_sm, grid_clusters, pipeline_plan
 

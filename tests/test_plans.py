@@ -18,7 +18,7 @@ import torch
 import quack
 import quack.calls.plan
 from quack.calls import torch_interop as ti
-from quack.cache import _COMPILE_ONLY_DEPTH
+from quack.cache.mode import _COMPILE_ONLY_DEPTH
 from quack.compile_only import compile_only_mode
 from quack.testing import matrix
 

@@ -19,11 +19,11 @@ import types
 
 from .config import current_arch
 from .errors import CacheError, CacheMissError
-from quack.launch.handle import KernelHandle, _noop_kernel
+from quack.launch.handle import KernelHandle
 from .jit import clear, jit_cache
 from .key import CACHE_FORMAT_VERSION
 from .key import options_for_arch
-from .mode import _COMPILE_ONLY_DEPTH, compile_only_active
+from .mode import compile_only_active
 from .stats import stats
 
 __all__ = [

@@ -40,7 +40,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from quack.cache import _COMPILE_ONLY_DEPTH
+from quack.cache.mode import _COMPILE_ONLY_DEPTH
 from quack.compile_only.gpu import CUDA_BUILD, emulated
 
 __all__ = [

@@ -40,13 +40,7 @@ LOG2_E = math.log2(math.e)
 FLT_MAX = 3.4028234663852886e38
 
 # The host-side settings (shared with the ops, which must not import the DSL).
-from quack.rowwise.config import (  # noqa: E402  (re-exported for the kernel modules)
-    MAX_CLUSTER,
-    STAGED_CTAS_PER_SM,
-    RowConfig,
-    backward_config,
-    forward_config,
-)
+from quack.rowwise.config import STAGED_CTAS_PER_SM, RowConfig  # noqa: E402
 
 
 def fake_rows(dtype, m, n: int, vec: int):

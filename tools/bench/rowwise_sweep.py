@@ -23,7 +23,7 @@ import torch  # noqa: E402
 
 import quack.cache  # noqa: E402
 from harness import bench_ms, copy_bandwidth  # noqa: E402
-from quack import rowwise  # noqa: E402
+from quack.rowwise import config as rowwise  # noqa: E402
 
 SHAPES = [(16384, 16384), (8192, 65536), (4096, 262144)]
 SWEEPS = [

@@ -72,7 +72,7 @@ from cutlass.cute.nvgpu import cpasync, warp, warpgroup
 
 from quack.families.gemm.activation import activate, activation_derivative, gate_gradients
 from quack.families.gemm.epilogue import parse_epilogue
-from quack.families.gemm.schedule import GroupCursor, find_group, first_cursor, group_rows, tile_in_group
+from quack.families.gemm.schedule import find_group, first_cursor, group_rows, tile_in_group
 from quack.families.gemm.threads import THREADS_PER_WARPGROUP, cta_threads
 
 PRODUCER_REGISTERS = 40
