@@ -1,7 +1,7 @@
-"""The row-wise ops' launch closures (``fastpath.like_closure``) on the CPU:
-each passes its direct launcher the arguments the kernel's launcher declares
-(x, weight, residual or bias, outputs, eps), in that order, and returns what
-the op returns.  A recording launcher stands in for the C launcher (the GPU
+"""The row-wise ops' launch closures (``fastpath.like_launch``) on the CPU:
+each passes its direct launcher the arguments the kernel's ``__call__``
+declares (x, weight, residual or bias, outputs, eps), in that order, viewing
+the rows arguments as rows, and returns what the op returns.  A recording launcher stands in for the C launcher (the GPU
 tests launch the real one)."""
 
 import importlib
@@ -21,29 +21,35 @@ pytest.importorskip("quack.launch._fastlaunch")
 def recorded(monkeypatch):
     """The closures get a launcher that records its arguments."""
     calls = []
-    monkeypatch.setattr(fastpath, "direct", lambda plan, role, device, rows=frozenset(): lambda *a: calls.append(a))
+    monkeypatch.setattr(
+        fastpath, "direct", lambda plan, role, device, rows=frozenset(): lambda *a: calls.append((rows, a))
+    )
     return calls
 
 
 def test_softmax_closure(recorded):
     x = torch.randn(4, 8)
-    y = softmax._inference_closure(None, x.device)(x)
-    assert recorded == [(x, y, None)] and y.shape == x.shape and y.data_ptr() != x.data_ptr()
+    plan = softmax.plan_for(softmax.SoftmaxCall("float32", 8, 4, False))
+    y = softmax._inference_closure(plan, x.device)(x)
+    assert recorded == [({0, 1}, (x, y, None))] and y.shape == x.shape and y.data_ptr() != x.data_ptr()
 
 
 @pytest.mark.parametrize("with_residual", [False, True])
 def test_rmsnorm_closure(recorded, with_residual):
     x, w = torch.randn(4, 8), torch.randn(8)
     residual = torch.randn(4, 8) if with_residual else None
-    result = rmsnorm._inference_closure(None, x.device, with_residual)(x, w, residual, 1e-6)
+    plan = rmsnorm.plan_for(rmsnorm.RMSNormCall("float32", "float32", with_residual, 8, 4, False))
+    result = rmsnorm._inference_closure(plan, x.device, with_residual)(x, w, residual, 1e-6)
+    rows = {0, 2, 3, 4}  # x, residual and both outputs
     if with_residual:
         y, h = result
-        assert recorded == [(x, w, residual, y, h, None, 1e-6, None)] and y.data_ptr() != h.data_ptr()
+        assert recorded == [(rows, (x, w, residual, y, h, None, 1e-6, None))] and y.data_ptr() != h.data_ptr()
     else:
-        assert recorded == [(x, w, None, result, None, None, 1e-6, None)]
+        assert recorded == [(rows, (x, w, None, result, None, None, 1e-6, None))]
 
 
 def test_layernorm_closure(recorded):
     x, w, b = torch.randn(4, 8), torch.randn(8), torch.randn(8)
-    y = layernorm._inference_closure(None, x.device)(x, w, b, 1e-5)
-    assert recorded == [(x, w, b, y, None, None, 1e-5, None)]
+    plan = layernorm.plan_for(layernorm.LayerNormCall("float32", "float32", "float32", 8, 4, False))
+    y = layernorm._inference_closure(plan, x.device)(x, w, b, 1e-5)
+    assert recorded == [({0, 3}, (x, w, b, y, None, None, 1e-5, None))]

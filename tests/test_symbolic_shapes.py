@@ -27,7 +27,7 @@ def _stats(x):
 
 WRAPPERS = {
     "layernorm_fwd": lambda x, w: ln.layernorm_fwd(x, w, w)[0],
-    "layernorm_bwd": lambda x, w: ln.layernorm_bwd(x, w, x, _stats(x), _stats(x), "bfloat16")[0],
+    "layernorm_bwd": lambda x, w: ln.layernorm_bwd(x, w, x, _stats(x), _stats(x), True)[0],
     "rmsnorm_fwd": lambda x, w: rms.rmsnorm_fwd(x, w, x)[0],
     "rmsnorm_bwd": lambda x, w: rms.rmsnorm_bwd(x, w, x, _stats(x), eps=1e-6)[0],
     "rmsnorm_bwd_dh_out": lambda x, w: rms.rmsnorm_bwd(x, w, x, _stats(x), x, eps=1e-6)[0],

@@ -144,9 +144,31 @@ def like_closure(launch, outputs: int, template: tuple[int, ...]):
     return module.LikeLaunch(launch, torch.empty_like, outputs, template)
 
 
-def direct(plan, role: str, device: torch.device, rows: frozenset[int] = frozenset()):
+def like_launch(plan, role: str, device: torch.device, call: tuple[str, ...], returns: tuple[str, ...]):
+    """``like_closure`` of ``plan``'s ``role`` kernel, derived from its launch
+    (``quack/calls/launches.py``): the kernel's arguments named in ``call`` are
+    the call's (in the order the op hands ``Closures.call``), those named in
+    ``returns`` the outputs, each allocated like the call's first argument;
+    every other argument is None (the stream: the launcher reads it)."""
+    launch = plan.kernel_of(role).launch
+    template = tuple(
+        call.index(name) if name in call else output(returns.index(name)) if name in returns else NONE
+        for name in launch.parameters
+    )
+    return like_closure(direct(plan, role, device, _positions(launch.parameters, launch.rows)), len(returns), template)
+
+
+def _positions(parameters: tuple[str, ...], names: frozenset[str]) -> frozenset[int]:
+    return frozenset(i for i, name in enumerate(parameters) if name in names)
+
+
+def direct(plan, role: str, device: torch.device, rows: Optional[frozenset[int]] = None):
     """The direct C launcher of ``plan``'s ``role`` kernel on ``device``
-    (``KernelHandle.direct``), or None."""
+    (``KernelHandle.direct``), or None.  ``rows``: the argument positions it
+    views as (M, N) rows (None: those its launch names)."""
+    if rows is None:
+        launch = plan.kernel_of(role).launch
+        rows = frozenset() if launch is None else _positions(launch.parameters, launch.rows)
     handle = plan.kernel(role)
     make = getattr(handle, "direct", None)
     return make(device.index, rows) if make is not None else None

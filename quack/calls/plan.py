@@ -27,10 +27,11 @@ import json
 import math
 import os
 import threading
-from typing import Any, Callable, ClassVar, Iterator
+from typing import Any, Callable, ClassVar, Iterator, Optional
 
 from quack.cache import CacheMissError
 from quack.calls import recording
+from quack.calls.launches import Launch
 
 _SIGNATURES: dict[str, type] = {}  # op name -> signature class
 _PLANS: dict[Any, "Plan"] = {}
@@ -48,10 +49,13 @@ CLUSTER_ARCHS = (
 
 @dataclasses.dataclass(frozen=True)
 class Kernel:
-    """One compiled object: a ``jit_cache`` compile function and its arguments."""
+    """One compiled object, a ``jit_cache`` compile function and its
+    arguments, and how a call launches it (``run``; the GEMM's op launches
+    its kernels itself: no ``launch``)."""
 
     compile: Callable
     args: tuple
+    launch: Optional[Launch] = None
     # The manifest line of the plan that holds it, for a strict-mode miss.
     origin: str = dataclasses.field(default="", compare=False)
 
@@ -68,6 +72,13 @@ class Kernel:
                 f"{e}\nThe call's manifest entry (add it to a manifest that warms the cache, "
                 f"or record it with QUACK_CACHE_RECORD=FILE): {self.origin}"
             ) from e
+
+    def run(self, **values) -> None:
+        """Launch on a call's values, by the kernel's parameter names (absent
+        ones None; ``Launch.arguments``); nothing launches for zero rows."""
+        args, m = self.launch.arguments(values)
+        if m > 0:
+            self.load()(*args)
 
     def arg(self, name: str):
         """The compile argument named ``name`` in the compile function's signature."""
@@ -99,6 +110,10 @@ class Plan:
     def kernel(self, role: str):
         """The launchable handle of the kernel for ``role``."""
         return self.kernel_of(role).load()
+
+    def run(self, role: str, **values) -> None:
+        """Launch the kernel for ``role`` on a call's values (``Kernel.run``)."""
+        self.kernel_of(role).run(**values)
 
     def warm(self) -> None:
         """Load (in compile-only mode: export) every kernel of the plan, for

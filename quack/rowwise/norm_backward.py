@@ -49,28 +49,28 @@ class NormBackward:
     @cute.jit
     def __call__(
         self,
-        mX: cute.Tensor,
-        mW: Optional[cute.Tensor],
-        mDy: cute.Tensor,
-        mDhOut: Optional[cute.Tensor],
-        mMean: Optional[cute.Tensor],
-        mRstd: cute.Tensor,
-        mDx: cute.Tensor,
-        mDwPartial: Optional[cute.Tensor],
-        mDbPartial: Optional[cute.Tensor],
+        x: cute.Tensor,
+        weight: Optional[cute.Tensor],
+        dy: cute.Tensor,
+        dh_out: Optional[cute.Tensor],
+        mean: Optional[cute.Tensor],
+        rstd: cute.Tensor,
+        dx: cute.Tensor,
+        dw_partial: Optional[cute.Tensor],
+        db_partial: Optional[cute.Tensor],
         eps: Float32,
         num_ctas: Int32,
         stream: cuda.CUstream,
     ):
         cfg = self.cfg
-        copy = rowwise.make_row_copy(mX.element_type, cfg)
+        copy = rowwise.make_row_copy(x.element_type, cfg)
         sizes = (
-            mX.element_type.width // 8, 0 if mW is None else mW.element_type.width // 8,
-            2 if mDhOut is None else 3,
+            x.element_type.width // 8, 0 if weight is None else weight.element_type.width // 8,
+            2 if dh_out is None else 3,
         )
         per_sm = ctas_per_sm(cfg, *sizes)
         self.stages, self.weight_place = pipeline_plan(cfg, *sizes)
-        self.kernel(mX, mW, mDy, mDhOut, mMean, mRstd, mDx, mDwPartial, mDbPartial, eps, copy).launch(
+        self.kernel(x, weight, dy, dh_out, mean, rstd, dx, dw_partial, db_partial, eps, copy).launch(
             grid=[num_ctas, cfg.cluster_n, 1],
             block=[cfg.threads, 1, 1],
             cluster=[1, cfg.cluster_n, 1] if const_expr(cfg.cluster_n > 1) else None,

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from quack.calls import occupancy
 from quack.calls import torch_interop as ti
+from quack.calls.launches import Launch
 from quack.rowwise.config import RowConfig, backward_config
 
 # Where the backward keeps its weight slice, the same for every row tile:
@@ -66,26 +67,32 @@ def grid_clusters(cfg: RowConfig, m: int, device_index: int, row_bytes: int, wei
     return max(1, min(-(-m // cfg.rows_per_cta), resident))
 
 
-def run_norm_backward(kernel, x, weight, dy, dh_out, mean, rstd, dx, dw, db, eps: float) -> None:
-    """The persistent norm backward on (M, N) rows (RMSNorm: no ``mean``;
-    LayerNorm: no ``dh_out``; ``kernel``: the plan's backward), then the sums
-    of its per-CTA partial rows into dw and db (given exactly when the kernel
-    writes them).  The grid and the partial buffers are sized here, on the
-    real tensors, never while torch.compile traces (where N and M may be
-    symbolic)."""
-    m, n = x.shape
-    # The object runs at full vector width: realign what autograd handed us.
-    x, weight, dy, dh_out = (ti.aligned(t) for t in (x, weight, dy, dh_out))
+# The shared norm backward's arguments (its __call__) that are (M, N) rows
+# (the partial-sum buffers are made (rows, N) here), and those it realigns.
+NORM_BACKWARD = Launch(
+    "quack.rowwise.norm_backward:NormBackward", rows=frozenset({"x", "dy", "dh_out", "dx"}),
+    aligned=frozenset({"x", "weight", "dy", "dh_out"}),
+)
+
+
+def run_norm_backward(kernel, dw, db, **values) -> None:
+    """The persistent norm backward on a call's tensors (``values``, by the
+    kernel's parameter names; RMSNorm has no ``mean``, LayerNorm no
+    ``dh_out``; ``kernel``: the plan's backward), then the sums of its per-CTA
+    partial rows into dw and db (given exactly when the kernel writes them).
+    The grid and the partial buffers are sized here, on the real tensors,
+    never while torch.compile traces (where N and M may be symbolic)."""
+    x, weight = values["x"], values.get("weight")
+    n = x.shape[-1]
+    m = x.numel() // n
     cfg = backward_config(n, kernel.arg("vec"))
     num_ctas = grid_clusters(
         cfg, m, x.device.index or 0, x.element_size(),
-        0 if weight is None else weight.element_size(), dh_out is not None,
+        0 if weight is None else weight.element_size(), values.get("dh_out") is not None,
     )
     rows = num_ctas * cfg.rows_per_cta
     dw_partial = ti.partial_rows(rows, n, x.device, m) if dw is not None else None
     db_partial = ti.partial_rows(rows, n, x.device, m) if db is not None else None
-    if m > 0:
-        launch = kernel.load()
-        launch(x, weight, dy, dh_out, mean, rstd, dx, dw_partial, db_partial, eps, num_ctas, ti.current_stream(x.device))
+    kernel.run(**values, dw_partial=dw_partial, db_partial=db_partial, num_ctas=num_ctas)
     ti.sum_partial_rows(dw_partial, dw)
     ti.sum_partial_rows(db_partial, db)

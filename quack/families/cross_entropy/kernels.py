@@ -73,24 +73,24 @@ class CrossEntropyForward:
     @cute.jit
     def __call__(
         self,
-        mX: cute.Tensor,
-        mTarget: cute.Tensor,
-        mLoss: cute.Tensor,
-        mLse,
-        mOut,
-        mStats,
-        mCounter,
+        logits: cute.Tensor,
+        target: cute.Tensor,
+        loss: cute.Tensor,
+        lse,
+        out,
+        stats,
+        counter,
         ignore_index: Int32,
         stream: cuda.CUstream,
     ):
         cfg = self.cfg
-        copy = rowwise.make_row_copy(mX.element_type, cfg)
+        copy = rowwise.make_row_copy(logits.element_type, cfg)
         rowwise.launch_rows(
-            self.kernel(mX, mTarget, mLoss, mLse, mOut, mStats, mCounter, ignore_index, copy), cfg, mX.shape[0],
-            stream, staged=rowwise.stages_row(cfg, mX.element_type),
+            self.kernel(logits, target, loss, lse, out, stats, counter, ignore_index, copy), cfg, logits.shape[0],
+            stream, staged=rowwise.stages_row(cfg, logits.element_type),
         )
 
-    # The DSL needs each kernel's parameters spelled out, so they repeat __call__'s.
+    # The DSL needs each kernel's parameters spelled out: __call__'s, in CuTe's names.
     @cute.kernel
     def kernel(
         self,
@@ -242,19 +242,19 @@ class CrossEntropyBackward:
     @cute.jit
     def __call__(
         self,
-        mX: cute.Tensor,
-        mTarget: cute.Tensor,
-        mLse: cute.Tensor,
-        mDloss: cute.Tensor,
-        mDx: cute.Tensor,
+        logits: cute.Tensor,
+        target: cute.Tensor,
+        lse: cute.Tensor,
+        dloss: cute.Tensor,
+        dx: cute.Tensor,
         ignore_index: Int32,
         stream: cuda.CUstream,
     ):
         cfg = self.cfg
-        copy = rowwise.make_row_copy(mX.element_type, cfg)
+        copy = rowwise.make_row_copy(logits.element_type, cfg)
         # Not rowwise.launch_rows: the column tiles are independent CTAs, no cluster.
-        self.kernel(mX, mTarget, mLse, mDloss, mDx, ignore_index, copy).launch(
-            grid=[cute.ceil_div(mX.shape[0], cfg.rows_per_cta), cfg.cluster_n, 1],
+        self.kernel(logits, target, lse, dloss, dx, ignore_index, copy).launch(
+            grid=[cute.ceil_div(logits.shape[0], cfg.rows_per_cta), cfg.cluster_n, 1],
             block=[cfg.threads, 1, 1],
             stream=stream,
         )

@@ -39,6 +39,7 @@ from quack.calls import fastpath
 from quack.compile_only import differentiable_outputs, is_compile_only
 from quack.calls.cute_op import cute_op
 from quack.calls.eager import eager_plan
+from quack.calls.launches import Launch, in_order
 from quack.calls.plan import Kernel, Plan, Signature, blame, fake_rows_input, fake_tensor, plan_for, signature
 from quack.rowwise.config import MAX_N, RowConfig, forward_config
 
@@ -74,6 +75,10 @@ def backward_tiles(n: int, vec: int) -> RowConfig:
 # This op's eager fast path (quack/calls/fastpath.py).
 _FAST = fastpath.Closures()
 
+# The kernels' arguments (their __call__) that are (M, N) rows.
+FORWARD = Launch("quack.families.cross_entropy.kernels:CrossEntropyForward", frozenset({"logits"}))
+BACKWARD = Launch("quack.families.cross_entropy.kernels:CrossEntropyBackward", frozenset({"logits", "dx"}))
+
 
 def _cute_int(name: str):
     """The CuTe DSL integer type of a target dtype name (compile time only)."""
@@ -95,18 +100,20 @@ def compile_cross_entropy_fwd(dtype: str, target_dtype: str, n: int, vec: int, r
     from quack.families.cross_entropy.kernels import CrossEntropyForward
 
     dt = ti.cute_dtype(dtype)
-    cfg = forward_config(n, vec)
     m = cute.sym_int()
     reducing = reduction != "none"
-    lse = rowwise.fake_vector(Float32, m) if backward else None
-    out = rowwise.fake_vector(dt, 1) if reducing else None
-    stats = rowwise.fake_vector(Float32, 2) if reducing and backward else None
-    counter = rowwise.fake_vector(Int32, 1) if reducing else None
-    return cute.compile(
-        CrossEntropyForward(cfg, reduction if reducing else None), rowwise.fake_rows(dt, m, n, vec),
-        rowwise.fake_vector(_cute_int(target_dtype), m), rowwise.fake_vector(Float32, m), lse, out, stats, counter,
-        Int32(-100), cute.runtime.make_fake_stream(), options=compile_options(),
+    fakes = dict(
+        logits=rowwise.fake_rows(dt, m, n, vec), target=rowwise.fake_vector(_cute_int(target_dtype), m),
+        loss=rowwise.fake_vector(Float32, m), ignore_index=Int32(-100), stream=cute.runtime.make_fake_stream(),
     )
+    if backward:
+        fakes["lse"] = rowwise.fake_vector(Float32, m)
+    if reducing:
+        fakes.update(out=rowwise.fake_vector(dt, 1), counter=rowwise.fake_vector(Int32, 1))
+    if reducing and backward:
+        fakes["stats"] = rowwise.fake_vector(Float32, 2)
+    kernel = CrossEntropyForward(forward_config(n, vec), reduction if reducing else None)
+    return cute.compile(kernel, *in_order(CrossEntropyForward, fakes), options=compile_options())
 
 
 @jit_cache("cross_entropy")
@@ -119,13 +126,14 @@ def compile_cross_entropy_bwd(dtype: str, target_dtype: str, n: int, vec: int):
     from quack.families.cross_entropy.kernels import CrossEntropyBackward
 
     dt = ti.cute_dtype(dtype)
-    cfg = backward_tiles(n, vec)
     m = cute.sym_int()
+    fakes = dict(
+        logits=rowwise.fake_rows(dt, m, n, vec), target=rowwise.fake_vector(_cute_int(target_dtype), m),
+        lse=rowwise.fake_vector(Float32, m), dloss=rowwise.fake_vector(Float32, m),
+        dx=rowwise.fake_rows(dt, m, n, vec), ignore_index=Int32(-100), stream=cute.runtime.make_fake_stream(),
+    )
     return cute.compile(
-        CrossEntropyBackward(cfg), rowwise.fake_rows(dt, m, n, vec),
-        rowwise.fake_vector(_cute_int(target_dtype), m), rowwise.fake_vector(Float32, m),
-        rowwise.fake_vector(Float32, m), rowwise.fake_rows(dt, m, n, vec), Int32(-100),
-        cute.runtime.make_fake_stream(), options=compile_options(),
+        CrossEntropyBackward(backward_tiles(n, vec)), *in_order(CrossEntropyBackward, fakes), options=compile_options()
     )
 
 
@@ -146,10 +154,10 @@ class CrossEntropyCall(Signature):
 
     def kernels(self):
         args = (self.dtype, self.target_dtype, self.n, self.vec)
-        forward = Kernel(compile_cross_entropy_fwd, (*args, self.reduction, self.backward))
+        forward = Kernel(compile_cross_entropy_fwd, (*args, self.reduction, self.backward), FORWARD)
         if not self.backward:
             return (("forward", forward),)
-        return (("forward", forward), ("backward", Kernel(compile_cross_entropy_bwd, args)))
+        return (("forward", forward), ("backward", Kernel(compile_cross_entropy_bwd, args, BACKWARD)))
 
     def rebuild(self) -> "CrossEntropyCall":
         """The op's checks and signature of a call on one row of N (``plan.from_entry``):
@@ -172,18 +180,15 @@ def call_signature(logits, target, reduction: str, backward: bool) -> CrossEntro
     )
 
 
-def _launch_fwd(plan: Plan, logits, target, loss, lse, out, stats, ignore_index, shared_scratch: bool = True) -> None:
-    """``loss`` None with a reduction: the row losses go to scratch
-    (``reduction_scratch``; the stream's own where ``shared_scratch``)."""
-    counter = None
-    if out is not None:
-        counter, loss = reduction_scratch(logits.device, logits.shape[0], shared_scratch)
-    plan.kernel("forward")(logits, target, loss, lse, out, stats, counter, ignore_index,
-                           ti.current_stream(logits.device))
-
-
-def _launch_bwd(plan: Plan, logits, target, lse, dloss, dx, ignore_index) -> None:
-    plan.kernel("backward")(logits, target, lse, dloss, dx, ignore_index, ti.current_stream(logits.device))
+def _run_forward(kernel: Kernel, shared_scratch: bool = True, **values) -> None:
+    """Launch the forward on a call's ``values``; with a reduction (``out``)
+    the row losses go to scratch (``reduction_scratch``; the stream's own
+    where ``shared_scratch``)."""
+    if values.get("out") is not None:
+        logits = values["logits"]
+        m = math.prod(logits.shape[:-1])
+        values["counter"], values["loss"] = reduction_scratch(logits.device, m, shared_scratch)
+    kernel.run(**values)
 
 
 # The registered ops, which torch.compile's graphs call: each takes its
@@ -206,7 +211,8 @@ def _cross_entropy_fwd(
     plan = plan_for(call_signature(logits, target, reduction, lse is not None))
     # Fresh scratch: a compiled graph may run this in a CUDA graph's memory
     # pool (reduce-overhead), which must not hold the stream's shared scratch.
-    _launch_fwd(plan, logits, target, loss, lse, out, stats, ignore_index, shared_scratch=False)
+    values = dict(logits=logits, target=target, loss=loss, lse=lse, out=out, stats=stats, ignore_index=ignore_index)
+    _run_forward(plan.kernel_of("forward"), shared_scratch=False, **values)
 
 
 @cute_op("quack::cross_entropy_bwd", mutates_args=("dx",))
@@ -217,12 +223,15 @@ def _cross_entropy_bwd(
     dloss: torch.Tensor,
     dx: torch.Tensor,
     ignore_index: int,
-    reduction: str,
 ) -> None:
     """Launch the backward kernel: dloss is the (M,) fp32 gradient of each
-    row's loss (``reduction``: the forward's, for the call's plan)."""
-    plan = plan_for(call_signature(logits, target, reduction, True))
-    _launch_bwd(plan, logits, target, lse, dloss, dx, ignore_index)
+    row's loss (the object from the tensors themselves)."""
+    n = logits.shape[-1]
+    kernel = Kernel(
+        compile_cross_entropy_bwd,
+        (ti.dtype_name(logits.dtype), ti.dtype_name(target.dtype), n, ti.vector_width(n, logits)), BACKWARD,
+    )
+    kernel.run(logits=logits, target=target, lse=lse, dloss=dloss, dx=dx, ignore_index=ignore_index)
 
 
 def _validate(logits, target, ignore_index, reduction) -> None:
@@ -266,10 +275,8 @@ def cross_entropy_fwd(logits, target, ignore_index: int = -100, reduction: str =
     stats: that reduction's fp32 (sum, count) for a backward.  ``plan``: the
     call's (eager); None goes through the registered op (torch.compile,
     direct use)."""
-    n, device = logits.shape[-1], logits.device
-    x2 = ti.as_rows(logits, n)
-    t1 = target.reshape(-1).contiguous()
-    m = x2.shape[0]
+    device = logits.device
+    m = math.prod(logits.shape[:-1])
     loss = torch.empty(m, device=device, dtype=torch.float32) if reduction == "none" else None
     lse = torch.empty(m, device=device, dtype=torch.float32) if backward else None
     reduced = stats = None
@@ -282,8 +289,10 @@ def cross_entropy_fwd(logits, target, ignore_index: int = -100, reduction: str =
             if stats is not None:
                 stats.zero_()
     else:
-        args = (x2, t1, loss, lse, reduced, stats, ignore_index)
-        _launch_fwd(plan, *args) if plan is not None else _cross_entropy_fwd(*args, reduction)
+        values = dict(logits=logits, target=target.reshape(-1).contiguous(), loss=loss, lse=lse, out=reduced,
+                      stats=stats, ignore_index=ignore_index)
+        _run_forward(plan.kernel_of("forward"), **values) if plan is not None else _cross_entropy_fwd(
+            **values, reduction=reduction)
     return loss, lse, reduced.view(()) if reduced is not None else None, stats
 
 
@@ -321,16 +330,14 @@ def _capturing(device: torch.device) -> bool:
         return torch.cuda.is_current_stream_capturing()
 
 
-def cross_entropy_bwd(logits, target, lse, dloss_rows, ignore_index: int = -100, reduction: str = "none",
-                      plan: Optional[Plan] = None):
+def cross_entropy_bwd(logits, target, lse, dloss_rows, ignore_index: int = -100, plan: Optional[Plan] = None):
     """Allocate dlogits and run the backward op; ``dloss_rows`` is the (M,)
-    gradient of each row's loss (``reduction``: the forward's)."""
-    n = logits.shape[-1]
-    x2 = ti.as_rows(logits, n)
+    gradient of each row's loss."""
     dx = torch.empty_like(logits)
-    if x2.shape[0] > 0:
-        args = (x2, target.reshape(-1).contiguous(), lse, dloss_rows.float().contiguous(), ti.as_rows(dx, n), ignore_index)
-        _launch_bwd(plan, *args) if plan is not None else _cross_entropy_bwd(*args, reduction)
+    if dx.numel() > 0:
+        values = dict(logits=logits, target=target.reshape(-1).contiguous(), lse=lse,
+                      dloss=dloss_rows.float().contiguous(), dx=dx, ignore_index=ignore_index)
+        plan.run("backward", **values) if plan is not None else _cross_entropy_bwd(**values)
     return dx
 
 
@@ -365,7 +372,7 @@ class _CrossEntropyFunction(torch.autograd.Function):
     def backward(ctx, dout):
         logits, target, lse, count = ctx.saved_tensors
         g = _row_grads(dout, lse.shape[0], ctx.reduction, count)
-        dx = cross_entropy_bwd(logits, target, lse, g, ctx.ignore_index, ctx.reduction, ctx.plan)
+        dx = cross_entropy_bwd(logits, target, lse, g, ctx.ignore_index, ctx.plan)
         return dx, None, None, None, None
 
 
@@ -419,18 +426,23 @@ def _inference_closure(plan: Plan, logits: torch.Tensor, target: torch.Tensor):
     (``quack/calls/fastpath.py``): the logits go to the kernel as rows, unviewed;
     the 0-dim result as the kernel's one-element output (it reads only its
     address)."""
-    launch = fastpath.direct(plan, "forward", logits.device, rows=frozenset((0,)))
+    launch = fastpath.direct(plan, "forward", logits.device)
     if launch is None:
         return None
     m, dtype, device = logits.numel() // logits.shape[-1], logits.dtype, logits.device
     flat_target = target.dim() == 1 and target.is_contiguous()
     empty = torch.empty
+    slot = {name: i for i, name in enumerate(plan.kernel_of("forward").launch.parameters)}
+    logits_at, target_at, loss_at, out_at = slot["logits"], slot["target"], slot["loss"], slot["out"]
+    counter_at, ignore_at, width = slot["counter"], slot["ignore_index"], len(slot)
 
     def run(logits, target, ignore_index, _reduction):  # the key fixed the reduction
-        out = empty((), device=device, dtype=dtype)
-        t = target if flat_target else target.reshape(-1).contiguous()
-        counter, rows = reduction_scratch(device, m)
-        return out if launch(logits, t, rows, None, out, None, counter, ignore_index, None) is None else NotImplemented
+        args = [None] * width
+        args[out_at] = out = empty((), device=device, dtype=dtype)
+        args[counter_at], args[loss_at] = reduction_scratch(device, m)
+        args[logits_at], args[ignore_at] = logits, ignore_index
+        args[target_at] = target if flat_target else target.reshape(-1).contiguous()
+        return out if launch(*args) is None else NotImplemented
 
     return run
 

@@ -67,20 +67,20 @@ class LayerNormForward:
     @cute.jit
     def __call__(
         self,
-        mX: cute.Tensor,
-        mW: Optional[cute.Tensor],
-        mB: Optional[cute.Tensor],
-        mY: cute.Tensor,
-        mMean: Optional[cute.Tensor],
-        mRstd: Optional[cute.Tensor],
+        x: cute.Tensor,
+        weight: Optional[cute.Tensor],
+        bias: Optional[cute.Tensor],
+        out: cute.Tensor,
+        mean: Optional[cute.Tensor],
+        rstd: Optional[cute.Tensor],
         eps: Float32,
         stream: cuda.CUstream,
     ):
         cfg = self.cfg
-        copy = rowwise.make_row_copy(mX.element_type, cfg)
+        copy = rowwise.make_row_copy(x.element_type, cfg)
         rowwise.launch_rows(
-            self.kernel(mX, mW, mB, mY, mMean, mRstd, eps, copy), cfg, mX.shape[0], stream,
-            staged=rowwise.stages_row(cfg, mX.element_type),
+            self.kernel(x, weight, bias, out, mean, rstd, eps, copy), cfg, x.shape[0], stream,
+            staged=rowwise.stages_row(cfg, x.element_type),
         )
 
     @cute.kernel

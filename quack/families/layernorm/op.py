@@ -28,7 +28,8 @@ from quack.calls import fastpath
 from quack.compile_only import differentiable_outputs
 from quack.calls.cute_op import cute_op
 from quack.calls.eager import eager_plan
-from quack.rowwise.norm_backward_grid import run_norm_backward
+from quack.calls.launches import Launch, in_order
+from quack.rowwise.norm_backward_grid import NORM_BACKWARD, run_norm_backward
 from quack.calls.plan import Kernel, Plan, Signature, blame, fake_rows_input, fake_tensor, plan_for, signature
 from quack.rowwise.config import MAX_N, backward_config, check_eps, forward_config
 
@@ -42,6 +43,9 @@ def _fake_param(dtype: Optional[str], n: int, vec: int):
 
 # This op's eager fast path (quack/calls/fastpath.py).
 _FAST = fastpath.Closures()
+
+# The forward kernel's arguments (its __call__) that are (M, N) rows.
+FORWARD = Launch("quack.families.layernorm.kernels:LayerNormForward", frozenset({"x", "out"}))
 
 
 @jit_cache("layernorm")
@@ -58,13 +62,16 @@ def compile_layernorm_fwd(
     from quack.families.layernorm.kernels import LayerNormForward
 
     dt = ti.cute_dtype(dtype)
-    cfg = forward_config(n, vec)
     m = cute.sym_int()
-    stats = (rowwise.fake_vector(Float32, m), rowwise.fake_vector(Float32, m)) if store_stats else (None, None)
+    fakes = dict(
+        x=rowwise.fake_rows(dt, m, n, vec), weight=_fake_param(weight_dtype, n, vec),
+        bias=_fake_param(bias_dtype, n, vec), out=rowwise.fake_rows(dt, m, n, vec), eps=Float32(0.0),
+        stream=cute.runtime.make_fake_stream(),
+    )
+    if store_stats:
+        fakes.update(mean=rowwise.fake_vector(Float32, m), rstd=rowwise.fake_vector(Float32, m))
     return cute.compile(
-        LayerNormForward(cfg), rowwise.fake_rows(dt, m, n, vec), _fake_param(weight_dtype, n, vec),
-        _fake_param(bias_dtype, n, vec), rowwise.fake_rows(dt, m, n, vec), *stats,
-        Float32(0.0), cute.runtime.make_fake_stream(), options=compile_options(),
+        LayerNormForward(forward_config(n, vec)), *in_order(LayerNormForward, fakes), options=compile_options()
     )
 
 
@@ -80,18 +87,23 @@ def compile_layernorm_bwd(
     from quack.rowwise import device as rowwise
     from quack.rowwise.norm_backward import NormBackward
 
-    cfg = backward_config(n, vec)
     dt = ti.cute_dtype(dtype)
     m = cute.sym_int()
     rows = lambda: rowwise.fake_rows(dt, m, n, vec)  # noqa: E731
     # The dw and db partial buffers share their (symbolic) row count.
     p = cute.sym_int()
-    dw_partial = rowwise.fake_rows(Float32, p, n, vec) if weight_dtype else None
-    db_partial = rowwise.fake_rows(Float32, p, n, vec) if has_bias else None
+    fakes = dict(
+        x=rows(), weight=_fake_param(weight_dtype, n, vec), dy=rows(), mean=rowwise.fake_vector(Float32, m),
+        rstd=rowwise.fake_vector(Float32, m), dx=rows(), eps=Float32(0.0), num_ctas=Int32(1),
+        stream=cute.runtime.make_fake_stream(),
+    )
+    if weight_dtype:
+        fakes["dw_partial"] = rowwise.fake_rows(Float32, p, n, vec)
+    if has_bias:
+        fakes["db_partial"] = rowwise.fake_rows(Float32, p, n, vec)
     return cute.compile(
-        NormBackward(cfg, centred=True), rows(), _fake_param(weight_dtype, n, vec), rows(), None,
-        rowwise.fake_vector(Float32, m), rowwise.fake_vector(Float32, m), rows(), dw_partial,
-        db_partial, Float32(0.0), Int32(1), cute.runtime.make_fake_stream(), options=compile_options(),
+        NormBackward(backward_config(n, vec), centred=True), *in_order(NormBackward, fakes),
+        options=compile_options(),
     )
 
 
@@ -111,16 +123,12 @@ class LayerNormCall(Signature):
 
     def kernels(self):
         forward = Kernel(
-            compile_layernorm_fwd, (self.dtype, self.weight_dtype, self.bias_dtype, self.n, self.vec, self.backward)
+            compile_layernorm_fwd, (self.dtype, self.weight_dtype, self.bias_dtype, self.n, self.vec, self.backward),
+            FORWARD,
         )
         if not self.backward:
             return (("forward", forward),)
-        # The backward's inputs are realigned (ti.aligned): full vector width.
-        # It sums db whenever there is a bias (the op drops it unless asked).
-        backward = Kernel(
-            compile_layernorm_bwd,
-            (self.dtype, self.weight_dtype, self.bias_dtype is not None, self.n, ti.full_width(self.n, self.dtype)),
-        )
+        backward = backward_kernel(self.dtype, self.weight_dtype, self.bias_dtype is not None, self.n)
         return (("forward", forward), ("backward", backward))
 
     def rebuild(self) -> "LayerNormCall":
@@ -145,16 +153,16 @@ def call_signature(x, weight, bias, backward: bool) -> LayerNormCall:
     )
 
 
+def backward_kernel(dtype: str, weight_dtype: Optional[str], has_bias: bool, n: int) -> Kernel:
+    """The backward's object, for the signature and the registered op alike
+    (the forward's vector width does not matter: the backward realigns its
+    inputs, ``ti.aligned``, and runs at full width).  It sums db whenever
+    there is a bias (the op drops it unless asked)."""
+    return Kernel(compile_layernorm_bwd, (dtype, weight_dtype, has_bias, n, ti.full_width(n, dtype)), NORM_BACKWARD)
+
+
 def _name(t: Optional[torch.Tensor]) -> Optional[str]:
     return ti.dtype_name(t.dtype) if t is not None else None
-
-
-def _name_of(dtype: Optional[torch.dtype]) -> Optional[str]:
-    return ti.dtype_name(dtype) if dtype is not None else None
-
-
-def _launch_fwd(plan: Plan, x, weight, bias, out, mean, rstd, eps) -> None:
-    plan.kernel("forward")(x, weight, bias, out, mean, rstd, eps, ti.current_stream(x.device))
 
 
 # The registered ops, which torch.compile's graphs call: each takes its
@@ -169,8 +177,10 @@ def _layernorm_fwd(
     rstd: Optional[torch.Tensor],
     eps: float,
 ) -> None:
-    """Launch the forward kernel on 2-D (M, N) tensors."""
-    _launch_fwd(plan_for(call_signature(x, weight, bias, rstd is not None)), x, weight, bias, out, mean, rstd, eps)
+    """Launch the forward kernel (its plan from the tensors themselves)."""
+    plan_for(call_signature(x, weight, bias, rstd is not None)).run(
+        "forward", x=x, weight=weight, bias=bias, out=out, mean=mean, rstd=rstd, eps=eps
+    )
 
 
 @cute_op("quack::layernorm_bwd", mutates_args=("dx", "dw", "db"))
@@ -183,15 +193,12 @@ def _layernorm_bwd(
     dx: torch.Tensor,
     dw: Optional[torch.Tensor],
     db: Optional[torch.Tensor],
-    bias_dtype: Optional[str],
 ) -> None:
-    """Launch the backward kernel on 2-D (M, N) tensors (realigned for it; db
-    given exactly when the call had a bias, of ``bias_dtype``)."""
-    dtype, n = ti.dtype_name(x.dtype), x.shape[1]
-    # The call as far as the backward sees it (the forward's vector width
-    # does not change the backward object).
-    plan = plan_for(LayerNormCall(dtype, _name(weight), bias_dtype, n, ti.full_width(n, dtype), True))
-    run_norm_backward(plan.kernel_of("backward"), x, weight, dy, None, mean, rstd, dx, dw, db, 0.0)
+    """Launch the backward kernel (its object from the tensors themselves; db
+    given exactly when the call had a bias)."""
+    kernel = backward_kernel(ti.dtype_name(x.dtype), _name(weight), db is not None, x.shape[-1])
+    # eps: RMSNorm's only (its N = 1 dx).
+    run_norm_backward(kernel, dw, db, x=x, weight=weight, dy=dy, mean=mean, rstd=rstd, dx=dx, eps=0.0)
 
 
 def _validate(x, weight, bias) -> None:
@@ -204,33 +211,31 @@ def layernorm_fwd(x, weight=None, bias=None, eps=1e-5, store_stats=True, plan: O
     """Allocate outputs and run the forward: returns (y, mean, rstd); the
     statistics are None unless ``store_stats``.  ``plan``: the call's
     (eager); None goes through the registered op (torch.compile, direct use)."""
-    n = x.shape[-1]
-    x2 = ti.as_rows(x, n)
+    m = math.prod(x.shape[:-1])
     out = torch.empty_like(x)
     mean = rstd = None
     if store_stats:
-        mean = torch.empty(x2.shape[0], device=x.device, dtype=torch.float32)
-        rstd = torch.empty(x2.shape[0], device=x.device, dtype=torch.float32)
-    if x2.shape[0] > 0:
-        args = (x2, weight, bias, ti.as_rows(out, n), mean, rstd, eps)
-        _launch_fwd(plan, *args) if plan is not None else _layernorm_fwd(*args)
+        mean = torch.empty(m, device=x.device, dtype=torch.float32)
+        rstd = torch.empty(m, device=x.device, dtype=torch.float32)
+    if m > 0:
+        values = dict(x=x, weight=weight, bias=bias, out=out, mean=mean, rstd=rstd, eps=eps)
+        plan.run("forward", **values) if plan is not None else _layernorm_fwd(**values)
     return out, mean, rstd
 
 
-def layernorm_bwd(x, weight, dy, mean, rstd, bias_dtype=None, plan: Optional[Plan] = None):
+def layernorm_bwd(x, weight, dy, mean, rstd, has_bias: bool = False, plan: Optional[Plan] = None):
     """Allocate gradients and run the backward: returns (dx, dweight or None,
-    dbias in fp32, or None when the call had no bias: ``bias_dtype`` None)."""
-    n = x.shape[-1]
+    dbias in fp32 when ``has_bias``, else None)."""
     dy = dy.contiguous()
     dx = torch.empty_like(x)
     dw = torch.empty_like(weight) if weight is not None else None
-    db = torch.empty(n, device=x.device, dtype=torch.float32) if bias_dtype is not None else None
-    x2, dy2, dx2 = ti.as_rows(x, n), ti.as_rows(dy, n), ti.as_rows(dx, n)
+    db = torch.empty(x.shape[-1], device=x.device, dtype=torch.float32) if has_bias else None
     if plan is not None:
         # eps: RMSNorm's only (its N = 1 dx).
-        run_norm_backward(plan.kernel_of("backward"), x2, weight, dy2, None, mean, rstd, dx2, dw, db, 0.0)
+        values = dict(x=x, weight=weight, dy=dy, mean=mean, rstd=rstd, dx=dx, eps=0.0)
+        run_norm_backward(plan.kernel_of("backward"), dw, db, **values)
     else:
-        _layernorm_bwd(x2, weight, dy2, mean, rstd, dx2, dw, db, bias_dtype)
+        _layernorm_bwd(x, weight, dy, mean, rstd, dx, dw, db)
     return dx, dw, db
 
 
@@ -248,8 +253,7 @@ class _LayerNormFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x, weight, mean, rstd = ctx.saved_tensors
-        bias_dtype = _name_of(ctx.bias_dtype)
-        dx, dw, db = layernorm_bwd(x, weight, dy, mean, rstd, bias_dtype, ctx.plan)
+        dx, dw, db = layernorm_bwd(x, weight, dy, mean, rstd, ctx.bias_dtype is not None, ctx.plan)
         if weight is None or not ctx.needs_input_grad[1]:
             dw = None
         db = db.to(ctx.bias_dtype) if db is not None and ctx.needs_input_grad[2] else None
@@ -283,11 +287,8 @@ def layernorm(x, weight=None, bias=None, eps: float = 1e-5):
 
 
 def _inference_closure(plan: Plan, device: torch.device):
-    """The eager fast path's launch for calls like this one (``quack/calls/fastpath.py``):
-    x and y go to the kernel as rows, unviewed."""
-    launch = fastpath.direct(plan, "forward", device, rows=frozenset((0, 3)))
-    none = fastpath.NONE  # launch(x, weight, bias, y, None, None, eps, None) -> y
-    return fastpath.like_closure(launch, 1, (0, 1, 2, fastpath.output(0), none, none, 3, none))
+    """The eager fast path's launch for calls like this one (``quack/calls/fastpath.py``)."""
+    return fastpath.like_launch(plan, "forward", device, ("x", "weight", "bias", "eps"), ("out",))
 
 
 def layernorm_ref(x, weight=None, bias=None, eps: float = 1e-5):

@@ -36,20 +36,20 @@ class RMSNormForward:
     @cute.jit
     def __call__(
         self,
-        mX: cute.Tensor,
-        mW: Optional[cute.Tensor],
-        mRes: Optional[cute.Tensor],
-        mY: cute.Tensor,
-        mResOut: Optional[cute.Tensor],
-        mRstd: Optional[cute.Tensor],
+        x: cute.Tensor,
+        weight: Optional[cute.Tensor],
+        residual: Optional[cute.Tensor],
+        out: cute.Tensor,
+        residual_out: Optional[cute.Tensor],
+        rstd: Optional[cute.Tensor],
         eps: Float32,
         stream: cuda.CUstream,
     ):
         cfg = self.cfg
-        copy = rowwise.make_row_copy(mX.element_type, cfg)
+        copy = rowwise.make_row_copy(x.element_type, cfg)
         rowwise.launch_rows(
-            self.kernel(mX, mW, mRes, mY, mResOut, mRstd, eps, copy), cfg, mX.shape[0], stream,
-            staged=rowwise.stages_row(cfg, *_row_dtypes(mX, mRes)),
+            self.kernel(x, weight, residual, out, residual_out, rstd, eps, copy), cfg, x.shape[0], stream,
+            staged=rowwise.stages_row(cfg, *_row_dtypes(x, residual)),
         )
 
     @cute.kernel

@@ -27,7 +27,8 @@ from quack.calls import fastpath
 from quack.compile_only import differentiable_outputs
 from quack.calls.cute_op import cute_op
 from quack.calls.eager import eager_plan
-from quack.rowwise.norm_backward_grid import run_norm_backward
+from quack.calls.launches import Launch, in_order
+from quack.rowwise.norm_backward_grid import NORM_BACKWARD, run_norm_backward
 from quack.calls.plan import Kernel, Plan, Signature, blame, fake_rows_input, fake_tensor, plan_for, signature
 from quack.rowwise.config import MAX_N, backward_config, check_eps, forward_config
 
@@ -35,6 +36,9 @@ from quack.rowwise.config import MAX_N, backward_config, check_eps, forward_conf
 
 # This op's eager fast path (quack/calls/fastpath.py).
 _FAST = fastpath.Closures()
+
+# The forward kernel's arguments (its __call__) that are (M, N) rows.
+FORWARD = Launch("quack.families.rmsnorm.kernels:RMSNormForward", frozenset({"x", "residual", "out", "residual_out"}))
 
 
 @jit_cache("rmsnorm")
@@ -50,15 +54,17 @@ def compile_rmsnorm_fwd(
     from quack.families.rmsnorm.kernels import RMSNormForward
 
     dt = ti.cute_dtype(dtype)
-    cfg = forward_config(n, vec)
     m = cute.sym_int()
     rows = lambda: rowwise.fake_rows(dt, m, n, vec)  # noqa: E731
-    weight = rowwise.fake_vector(ti.cute_dtype(weight_dtype), n, vec) if weight_dtype else None
-    residual, residual_out = (rows(), rows()) if has_residual else (None, None)
-    rstd = rowwise.fake_vector(Float32, m) if store_rstd else None
+    fakes = dict(x=rows(), out=rows(), eps=Float32(0.0), stream=cute.runtime.make_fake_stream())
+    if weight_dtype:
+        fakes["weight"] = rowwise.fake_vector(ti.cute_dtype(weight_dtype), n, vec)
+    if has_residual:
+        fakes.update(residual=rows(), residual_out=rows())
+    if store_rstd:
+        fakes["rstd"] = rowwise.fake_vector(Float32, m)
     return cute.compile(
-        RMSNormForward(cfg), rows(), weight, residual, rows(), residual_out, rstd,
-        Float32(0.0), cute.runtime.make_fake_stream(), options=compile_options(),
+        RMSNormForward(forward_config(n, vec)), *in_order(RMSNormForward, fakes), options=compile_options()
     )
 
 
@@ -71,17 +77,21 @@ def compile_rmsnorm_bwd(dtype: str, weight_dtype: Optional[str], has_dh_out: boo
     from quack.rowwise import device as rowwise
     from quack.rowwise.norm_backward import NormBackward
 
-    cfg = backward_config(n, vec)
     dt = ti.cute_dtype(dtype)
     m = cute.sym_int()
     rows = lambda: rowwise.fake_rows(dt, m, n, vec)  # noqa: E731
-    weight = rowwise.fake_vector(ti.cute_dtype(weight_dtype), n, vec) if weight_dtype else None
-    dw_partial = rowwise.fake_rows(Float32, cute.sym_int(), n, vec) if weight_dtype else None
-    dh_out = rows() if has_dh_out else None
-    rstd = rowwise.fake_vector(Float32, m)
+    fakes = dict(
+        x=rows(), dy=rows(), rstd=rowwise.fake_vector(Float32, m), dx=rows(), eps=Float32(0.0), num_ctas=Int32(1),
+        stream=cute.runtime.make_fake_stream(),
+    )
+    if weight_dtype:
+        fakes["weight"] = rowwise.fake_vector(ti.cute_dtype(weight_dtype), n, vec)
+        fakes["dw_partial"] = rowwise.fake_rows(Float32, cute.sym_int(), n, vec)
+    if has_dh_out:
+        fakes["dh_out"] = rows()
     return cute.compile(
-        NormBackward(cfg, centred=False), rows(), weight, rows(), dh_out, None, rstd, rows(), dw_partial,
-        None, Float32(0.0), Int32(1), cute.runtime.make_fake_stream(), options=compile_options(),
+        NormBackward(backward_config(n, vec), centred=False), *in_order(NormBackward, fakes),
+        options=compile_options(),
     )
 
 
@@ -101,15 +111,12 @@ class RMSNormCall(Signature):
 
     def kernels(self):
         forward = Kernel(
-            compile_rmsnorm_fwd, (self.dtype, self.weight_dtype, self.residual, self.n, self.vec, self.backward)
+            compile_rmsnorm_fwd, (self.dtype, self.weight_dtype, self.residual, self.n, self.vec, self.backward),
+            FORWARD,
         )
         if not self.backward:
             return (("forward", forward),)
-        # The backward's inputs are realigned (ti.aligned): full vector width.
-        backward = Kernel(
-            compile_rmsnorm_bwd, (self.dtype, self.weight_dtype, self.residual, self.n, ti.full_width(self.n, self.dtype))
-        )
-        return (("forward", forward), ("backward", backward))
+        return (("forward", forward), ("backward", backward_kernel(self.dtype, self.weight_dtype, self.residual, self.n)))
 
     def rebuild(self) -> "RMSNormCall":
         """The op's checks and signature of a call on one row of N (``plan.from_entry``):
@@ -130,12 +137,15 @@ def call_signature(x, weight, residual, backward: bool) -> RMSNormCall:
     return RMSNormCall(ti.dtype_name(x.dtype), _name(weight), residual is not None, n, vec, backward)
 
 
+def backward_kernel(dtype: str, weight_dtype: Optional[str], has_dh_out: bool, n: int) -> Kernel:
+    """The backward's object, for the signature and the registered op alike
+    (the forward's vector width does not matter: the backward realigns its
+    inputs, ``ti.aligned``, and runs at full width)."""
+    return Kernel(compile_rmsnorm_bwd, (dtype, weight_dtype, has_dh_out, n, ti.full_width(n, dtype)), NORM_BACKWARD)
+
+
 def _name(t: Optional[torch.Tensor]) -> Optional[str]:
     return ti.dtype_name(t.dtype) if t is not None else None
-
-
-def _launch_fwd(plan: Plan, x, weight, residual, out, residual_out, rstd, eps) -> None:
-    plan.kernel("forward")(x, weight, residual, out, residual_out, rstd, eps, ti.current_stream(x.device))
 
 
 # The registered ops, which torch.compile's graphs call: each derives its
@@ -150,9 +160,10 @@ def _rmsnorm_fwd(
     rstd: Optional[torch.Tensor],
     eps: float,
 ) -> None:
-    """Launch the forward kernel on 2-D (M, N) tensors."""
-    plan = plan_for(call_signature(x, weight, residual, rstd is not None))
-    _launch_fwd(plan, x, weight, residual, out, residual_out, rstd, eps)
+    """Launch the forward kernel (its plan from the tensors themselves)."""
+    plan_for(call_signature(x, weight, residual, rstd is not None)).run(
+        "forward", x=x, weight=weight, residual=residual, out=out, residual_out=residual_out, rstd=rstd, eps=eps
+    )
 
 
 @cute_op("quack::rmsnorm_bwd", mutates_args=("dx", "dw"))
@@ -166,12 +177,9 @@ def _rmsnorm_bwd(
     dw: Optional[torch.Tensor],
     eps: float,
 ) -> None:
-    """Launch the backward kernel on 2-D (M, N) tensors (realigned for it)."""
-    dtype, n = ti.dtype_name(x.dtype), x.shape[1]
-    # The call as far as the backward sees it (the forward's vector width
-    # does not change the backward object).
-    plan = plan_for(RMSNormCall(dtype, _name(weight), dh_out is not None, n, ti.full_width(n, dtype), True))
-    run_norm_backward(plan.kernel_of("backward"), x, weight, dy, dh_out, None, rstd, dx, dw, None, eps)
+    """Launch the backward kernel (its object from the tensors themselves)."""
+    kernel = backward_kernel(ti.dtype_name(x.dtype), _name(weight), dh_out is not None, x.shape[-1])
+    run_norm_backward(kernel, dw, None, x=x, weight=weight, dy=dy, dh_out=dh_out, rstd=rstd, dx=dx, eps=eps)
 
 
 def _validate(x, weight, residual) -> None:
@@ -191,32 +199,28 @@ def rmsnorm_fwd(x, weight=None, residual=None, eps=1e-6, store_rstd=True, plan: 
     """Allocate outputs and run the forward: returns (y, x + residual or None,
     rstd or None).  ``plan``: the call's (eager); None goes through the
     registered op (torch.compile, or direct use)."""
-    n = x.shape[-1]
-    x2 = ti.as_rows(x, n)
-    res2 = ti.as_rows(residual, n) if residual is not None else None
+    m = math.prod(x.shape[:-1])
     out = torch.empty_like(x)
     h = torch.empty_like(x) if residual is not None else None
-    rstd = torch.empty(x2.shape[0], device=x.device, dtype=torch.float32) if store_rstd else None
-    if x2.shape[0] > 0:
-        h2 = ti.as_rows(h, n) if h is not None else None
-        args = (x2, weight, res2, ti.as_rows(out, n), h2, rstd, eps)
-        _launch_fwd(plan, *args) if plan is not None else _rmsnorm_fwd(*args)
+    rstd = torch.empty(m, device=x.device, dtype=torch.float32) if store_rstd else None
+    if m > 0:
+        values = dict(x=x, weight=weight, residual=residual, out=out, residual_out=h, rstd=rstd, eps=eps)
+        plan.run("forward", **values) if plan is not None else _rmsnorm_fwd(**values)
     return out, h, rstd
 
 
 def rmsnorm_bwd(h, weight, dy, rstd, dh_out=None, *, eps: float, plan: Optional[Plan] = None):
     """Allocate gradients and run the backward: returns (dh, dweight or None).
     ``eps``: the forward's, required (dx at N = 1 is eps * rstd^3)."""
-    n = h.shape[-1]
     dy = dy.contiguous()
-    dh2 = ti.as_rows(dh_out.contiguous(), n) if dh_out is not None else None
+    dh_out = dh_out.contiguous() if dh_out is not None else None
     dx = torch.empty_like(h)
     dw = torch.empty_like(weight) if weight is not None else None
-    h2, dy2, dx2 = ti.as_rows(h, n), ti.as_rows(dy, n), ti.as_rows(dx, n)
     if plan is not None:
-        run_norm_backward(plan.kernel_of("backward"), h2, weight, dy2, dh2, None, rstd, dx2, dw, None, eps)
+        values = dict(x=h, weight=weight, dy=dy, dh_out=dh_out, rstd=rstd, dx=dx, eps=eps)
+        run_norm_backward(plan.kernel_of("backward"), dw, None, **values)
     else:
-        _rmsnorm_bwd(h2, weight, dy2, dh2, rstd, dx2, dw, eps)
+        _rmsnorm_bwd(h, weight, dy, dh_out, rstd, dx, dw, eps)
     return dx, dw
 
 
@@ -279,13 +283,9 @@ def _eps(eps, x) -> float:
 
 
 def _inference_closure(plan: Plan, device: torch.device, has_residual: bool):
-    """The eager fast path's launch for calls like this one (``quack/calls/fastpath.py``):
-    x, residual and both outputs go to the kernel as rows, unviewed."""
-    launch = fastpath.direct(plan, "forward", device, rows=frozenset((0, 2, 3, 4)))
-    out, none = fastpath.output, fastpath.NONE
-    if has_residual:  # launch(x, weight, residual, y, h, None, eps, None) -> (y, h)
-        return fastpath.like_closure(launch, 2, (0, 1, 2, out(0), out(1), none, 3, none))
-    return fastpath.like_closure(launch, 1, (0, 1, none, out(0), none, none, 3, none))  # -> y
+    """The eager fast path's launch for calls like this one (``quack/calls/fastpath.py``)."""
+    returns = ("out", "residual_out") if has_residual else ("out",)
+    return fastpath.like_launch(plan, "forward", device, ("x", "weight", "residual", "eps"), returns)
 
 
 def rmsnorm_ref(x, weight=None, eps: Optional[float] = 1e-6, residual=None):

@@ -38,11 +38,11 @@ class SoftmaxForward:
         self.cfg = cfg
 
     @cute.jit
-    def __call__(self, mX: cute.Tensor, mY: cute.Tensor, stream: cuda.CUstream):
-        copy = rowwise.make_row_copy(mX.element_type, self.cfg)
+    def __call__(self, x: cute.Tensor, out: cute.Tensor, stream: cuda.CUstream):
+        copy = rowwise.make_row_copy(x.element_type, self.cfg)
         rowwise.launch_rows(
-            self.kernel(mX, mY, copy), self.cfg, mX.shape[0], stream,
-            staged=rowwise.stages_row(self.cfg, mX.element_type),
+            self.kernel(x, out, copy), self.cfg, x.shape[0], stream,
+            staged=rowwise.stages_row(self.cfg, x.element_type),
         )
 
     @cute.kernel
@@ -99,11 +99,11 @@ class SoftmaxBackward:
         self.cfg = cfg
 
     @cute.jit
-    def __call__(self, mY: cute.Tensor, mDy: cute.Tensor, mDx: cute.Tensor, stream: cuda.CUstream):
-        copy = rowwise.make_row_copy(mY.element_type, self.cfg)
+    def __call__(self, y: cute.Tensor, dy: cute.Tensor, dx: cute.Tensor, stream: cuda.CUstream):
+        copy = rowwise.make_row_copy(y.element_type, self.cfg)
         rowwise.launch_rows(
-            self.kernel(mY, mDy, mDx, copy), self.cfg, mY.shape[0], stream,
-            staged=_stages_backward(self.cfg, mY.element_type),
+            self.kernel(y, dy, dx, copy), self.cfg, y.shape[0], stream,
+            staged=_stages_backward(self.cfg, y.element_type),
         )
 
     @cute.kernel

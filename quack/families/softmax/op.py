@@ -26,6 +26,7 @@ from quack.calls import fastpath
 from quack.compile_only import differentiable_outputs
 from quack.calls.cute_op import cute_op
 from quack.calls.eager import eager_plan
+from quack.calls.launches import Launch, in_order
 from quack.calls.plan import Kernel, Plan, Signature, fake_rows_input, plan_for, signature
 from quack.rowwise.config import MAX_N, backward_config, forward_config
 
@@ -33,6 +34,13 @@ from quack.rowwise.config import MAX_N, backward_config, forward_config
 
 # This op's eager fast path (quack/calls/fastpath.py).
 _FAST = fastpath.Closures()
+
+# The kernels' arguments (their __call__) that are (M, N) rows; the backward
+# realigns its inputs.
+FORWARD = Launch("quack.families.softmax.kernels:SoftmaxForward", frozenset({"x", "out"}))
+BACKWARD = Launch(
+    "quack.families.softmax.kernels:SoftmaxBackward", frozenset({"y", "dy", "dx"}), aligned=frozenset({"y", "dy"})
+)
 
 
 @jit_cache("softmax")
@@ -44,12 +52,12 @@ def compile_softmax_fwd(dtype: str, n: int, vec: int):
     from quack.families.softmax.kernels import SoftmaxForward
 
     dt = ti.cute_dtype(dtype)
-    cfg = forward_config(n, vec)
     m = cute.sym_int()
-    return cute.compile(
-        SoftmaxForward(cfg), rowwise.fake_rows(dt, m, n, vec), rowwise.fake_rows(dt, m, n, vec),
-        cute.runtime.make_fake_stream(), options=compile_options(),
+    fakes = dict(
+        x=rowwise.fake_rows(dt, m, n, vec), out=rowwise.fake_rows(dt, m, n, vec),
+        stream=cute.runtime.make_fake_stream(),
     )
+    return cute.compile(SoftmaxForward(forward_config(n, vec)), *in_order(SoftmaxForward, fakes), options=compile_options())
 
 
 @jit_cache("softmax")
@@ -61,12 +69,11 @@ def compile_softmax_bwd(dtype: str, n: int, vec: int):
     from quack.families.softmax.kernels import SoftmaxBackward
 
     dt = ti.cute_dtype(dtype)
-    cfg = backward_config(n, vec)
     m = cute.sym_int()
     rows = lambda: rowwise.fake_rows(dt, m, n, vec)  # noqa: E731
+    fakes = dict(y=rows(), dy=rows(), dx=rows(), stream=cute.runtime.make_fake_stream())
     return cute.compile(
-        SoftmaxBackward(cfg), rows(), rows(), rows(), cute.runtime.make_fake_stream(),
-        options=compile_options(),
+        SoftmaxBackward(backward_config(n, vec)), *in_order(SoftmaxBackward, fakes), options=compile_options()
     )
 
 
@@ -82,12 +89,10 @@ class SoftmaxCall(Signature):
     backward: bool
 
     def kernels(self):
-        forward = Kernel(compile_softmax_fwd, (self.dtype, self.n, self.vec))
+        forward = Kernel(compile_softmax_fwd, (self.dtype, self.n, self.vec), FORWARD)
         if not self.backward:
             return (("forward", forward),)
-        # The backward's inputs are realigned (ti.aligned): full vector width.
-        backward = Kernel(compile_softmax_bwd, (self.dtype, self.n, ti.full_width(self.n, self.dtype)))
-        return (("forward", forward), ("backward", backward))
+        return (("forward", forward), ("backward", backward_kernel(self.dtype, self.n)))
 
     def rebuild(self) -> "SoftmaxCall":
         """The op's checks and signature of a call on one row of N (``plan.from_entry``):
@@ -102,31 +107,24 @@ def call_signature(x, backward: bool) -> SoftmaxCall:
     return SoftmaxCall(ti.dtype_name(x.dtype), n, ti.vector_width(n, x), backward)
 
 
-def _launch_fwd(plan: Plan, x, out) -> None:
-    plan.kernel("forward")(x, out, ti.current_stream(x.device))
-
-
-def _launch_bwd(kernel: Kernel, y, dy, dx) -> None:
-    # The object runs at full vector width: realign what autograd handed us.
-    kernel.load()(ti.aligned(y), ti.aligned(dy), dx, ti.current_stream(y.device))
+def backward_kernel(dtype: str, n: int) -> Kernel:
+    """The backward's object, for the signature and the registered op alike
+    (it realigns its inputs and runs at full vector width)."""
+    return Kernel(compile_softmax_bwd, (dtype, n, ti.full_width(n, dtype)), BACKWARD)
 
 
 # The registered ops, which torch.compile's graphs call: each takes its
 # kernel from its own (real) tensors.
 @cute_op("quack::softmax_fwd", mutates_args=("out",))
 def _softmax_fwd(x: torch.Tensor, out: torch.Tensor) -> None:
-    """Launch the forward kernel on 2-D (M, N) tensors."""
-    _launch_fwd(plan_for(call_signature(x, False)), x, out)
+    """Launch the forward kernel (its plan from the tensors themselves)."""
+    plan_for(call_signature(x, False)).run("forward", x=x, out=out)
 
 
 @cute_op("quack::softmax_bwd", mutates_args=("dx",))
 def _softmax_bwd(y: torch.Tensor, dy: torch.Tensor, dx: torch.Tensor) -> None:
-    """Launch the backward kernel on 2-D (M, N) tensors (realigned for it)."""
-    dtype, n = ti.dtype_name(y.dtype), y.shape[1]
-    # The call as far as the backward sees it (the forward's vector width
-    # does not change the backward object).
-    plan = plan_for(SoftmaxCall(dtype, n, ti.full_width(n, dtype), True))
-    _launch_bwd(plan.kernel_of("backward"), y, dy, dx)
+    """Launch the backward kernel (its object from the tensors themselves)."""
+    backward_kernel(ti.dtype_name(y.dtype), y.shape[-1]).run(y=y, dy=dy, dx=dx)
 
 
 def _validate(x) -> None:
@@ -136,24 +134,18 @@ def _validate(x) -> None:
 def softmax_fwd(x: torch.Tensor, plan: Optional[Plan] = None) -> torch.Tensor:
     """Allocate y and run the forward.  ``plan``: the call's (eager); None
     goes through the registered op (torch.compile, direct use)."""
-    n = x.shape[-1]
     out = torch.empty_like(x)
-    x2 = ti.as_rows(x, n)
-    if x2.shape[0] > 0:
-        args = (x2, ti.as_rows(out, n))
-        _launch_fwd(plan, *args) if plan is not None else _softmax_fwd(*args)
+    if x.numel() > 0:
+        plan.run("forward", x=x, out=out) if plan is not None else _softmax_fwd(x, out)
     return out
 
 
 def softmax_bwd(y: torch.Tensor, dy: torch.Tensor, plan: Optional[Plan] = None) -> torch.Tensor:
     """Allocate dx and run the backward (dy is made contiguous in y's dtype)."""
-    n = y.shape[-1]
     dy = dy.to(y.dtype).contiguous()
     dx = torch.empty_like(y)
-    y2 = ti.as_rows(y, n)
-    if y2.shape[0] > 0:
-        args = (y2, ti.as_rows(dy, n), ti.as_rows(dx, n))
-        _launch_bwd(plan.kernel_of("backward"), *args) if plan is not None else _softmax_bwd(*args)
+    if y.numel() > 0:
+        plan.run("backward", y=y, dy=dy, dx=dx) if plan is not None else _softmax_bwd(y, dy, dx)
     return dx
 
 
@@ -195,10 +187,8 @@ def softmax(x: torch.Tensor) -> torch.Tensor:
 
 
 def _inference_closure(plan: Plan, device: torch.device):
-    """The eager fast path's launch for calls like this one (``quack/calls/fastpath.py``):
-    x and y go to the kernel as rows, unviewed."""
-    launch = fastpath.direct(plan, "forward", device, rows=frozenset((0, 1)))
-    return fastpath.like_closure(launch, 1, (0, fastpath.output(0), fastpath.NONE))  # launch(x, y, None)
+    """The eager fast path's launch for calls like this one (``quack/calls/fastpath.py``)."""
+    return fastpath.like_launch(plan, "forward", device, ("x",), ("out",))
 
 
 def softmax_ref(x: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,93 @@
+"""How a plan's kernel is called: its arguments by name, in the order its class declares.
+
+A kernel's argument order is written once, in its class's ``__call__``.
+``parameters`` reads it from the class's source file with ``ast``: a
+process that only loads cached objects never imports the CuTe DSL, yet its
+eager calls, registered ops and fast path all need the order.  A ``Launch``
+names that class and which of its arguments are (..., N) tensors the kernel
+takes as (M, N) rows; the call supplies every argument by name (an absent
+one is None).  ``Kernel.run`` (``quack/calls/plan.py``) launches through it, the C fast
+path derives its argument template from it (``fastpath.like_launch``), and
+the compile functions order their fake arguments with ``in_order``.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import functools
+import importlib.util
+import pathlib
+from typing import Any
+
+# The one argument a call never supplies: torch's current stream, read at launch.
+STREAM = "stream"
+
+
+@functools.lru_cache(maxsize=None)
+def parameters(kernel_class: str) -> tuple[str, ...]:
+    """The ``__call__`` parameters (``self`` left out) of the class named
+    ``"module:Class"``, read from the module's source without importing it."""
+    module, _, name = kernel_class.partition(":")
+    spec = importlib.util.find_spec(module)
+    if spec is None or not spec.origin:
+        raise LookupError(f"no source file for kernel module {module!r}")
+    tree = ast.parse(pathlib.Path(spec.origin).read_text(encoding="utf-8"))
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef) and node.name == name:
+            for item in node.body:
+                if isinstance(item, ast.FunctionDef) and item.name == "__call__":
+                    return tuple(a.arg for a in item.args.args[1:])
+            raise LookupError(f"kernel class {kernel_class} has no __call__")
+    raise LookupError(f"module {module} defines no class {name!r}")
+
+
+def in_order(kernel_class: type, values: dict[str, Any]) -> list[Any]:
+    """``values`` (by parameter name; absent ones None) in the order of
+    ``kernel_class.__call__``: what a compile function hands ``cute.compile``."""
+    names = parameters(f"{kernel_class.__module__}:{kernel_class.__qualname__}")
+    unknown = set(values) - set(names)
+    if unknown:
+        raise TypeError(f"{kernel_class.__qualname__} takes no argument {sorted(unknown)}")
+    return [values.get(name) for name in names]
+
+
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    """How a call launches one kernel: the class whose ``__call__`` orders
+    its arguments (``"module:Class"``), the arguments viewed as (M, N) rows
+    (the first of them gives M and N; no launch for zero rows), and those
+    copied to a 16-byte aligned base where they are not (``aligned``: a
+    backward's object runs at full vector width, whatever views autograd
+    hands it)."""
+
+    kernel_class: str
+    rows: frozenset[str]
+    aligned: frozenset[str] = frozenset()
+
+    @property
+    def parameters(self) -> tuple[str, ...]:
+        return parameters(self.kernel_class)
+
+    def arguments(self, values: dict[str, Any]) -> tuple[list[Any], int]:
+        """The kernel's arguments for a call's ``values`` (by name): realigned,
+        rows viewed as (M, N), torch's current stream as ``stream``; and M."""
+        from quack.calls import torch_interop as ti
+
+        names = self.parameters
+        unknown = set(values) - set(names)
+        if unknown:
+            raise TypeError(f"{self.kernel_class} takes no argument {sorted(unknown)}")
+        first = values[next(name for name in names if name in self.rows)]
+        n = first.shape[-1]
+        args = []
+        for name in names:
+            value = values.get(name)
+            if name in self.aligned:
+                value = ti.aligned(value)
+            if name == STREAM:
+                value = ti.current_stream(first.device)
+            elif name in self.rows and value is not None:
+                value = ti.as_rows(value, n)
+            args.append(value)
+        return args, (first.numel() // n if n else 0)
