@@ -158,6 +158,12 @@ def like_launch(plan, role: str, device: torch.device, call: tuple[str, ...], re
     return like_closure(direct(plan, role, device, _positions(launch.parameters, launch.rows)), len(returns), template)
 
 
+def argument_slots(plan, role: str) -> dict[str, int]:
+    """Each argument's position in ``plan``'s ``role`` kernel (its launch's
+    parameters), for a closure that fills them in."""
+    return {name: i for i, name in enumerate(plan.kernel_of(role).launch.parameters)}
+
+
 def _positions(parameters: tuple[str, ...], names: frozenset[str]) -> frozenset[int]:
     return frozenset(i for i, name in enumerate(parameters) if name in names)
 

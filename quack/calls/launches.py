@@ -56,7 +56,8 @@ def in_order(kernel_class: type, values: dict[str, Any]) -> list[Any]:
 class Launch:
     """How a call launches one kernel: the class whose ``__call__`` orders
     its arguments (``"module:Class"``), the arguments viewed as (M, N) rows
-    (the first of them gives M and N; no launch for zero rows), and those
+    (the first of them gives M and N: no launch for zero rows; a kernel
+    without rows takes its tensors as they come), and those
     copied to a 16-byte aligned base where they are not (``aligned``: a
     backward's object runs at full vector width, whatever views autograd
     hands it)."""
@@ -69,25 +70,27 @@ class Launch:
     def parameters(self) -> tuple[str, ...]:
         return parameters(self.kernel_class)
 
-    def arguments(self, values: dict[str, Any]) -> tuple[list[Any], int]:
+    def arguments(self, values: dict[str, Any]) -> tuple[list[Any], bool]:
         """The kernel's arguments for a call's ``values`` (by name): realigned,
-        rows viewed as (M, N), torch's current stream as ``stream``; and M."""
+        rows viewed as (M, N), torch's current stream (on the first
+        argument's device) as ``stream``; and whether there are zero rows."""
         from quack.calls import torch_interop as ti
 
         names = self.parameters
         unknown = set(values) - set(names)
         if unknown:
             raise TypeError(f"{self.kernel_class} takes no argument {sorted(unknown)}")
-        first = values[next(name for name in names if name in self.rows)]
-        n = first.shape[-1]
+        device = values[names[0]].device
+        first = next((values[name] for name in names if name in self.rows), None)
+        n = first.shape[-1] if first is not None else 0
         args = []
         for name in names:
             value = values.get(name)
             if name in self.aligned:
                 value = ti.aligned(value)
             if name == STREAM:
-                value = ti.current_stream(first.device)
+                value = ti.current_stream(device)
             elif name in self.rows and value is not None:
                 value = ti.as_rows(value, n)
             args.append(value)
-        return args, (first.numel() // n if n else 0)
+        return args, first is not None and first.numel() == 0

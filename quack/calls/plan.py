@@ -5,10 +5,10 @@ decides its kernels (dtypes, N, vector widths from alignment, flags, whether a
 backward will run under the current grad mode).  ``plan_for(signature)``
 turns it into a :class:`Plan`, the compiled objects by role ("forward",
 "backward", ...), each named by its compile function and arguments (the
-object key).  Plans are cached per signature, so a repeated call costs a
-dictionary lookup.
+object key) and carrying how a call launches it (``quack/calls/launches.py``).
+Plans are cached per signature, so a repeated call costs a dictionary lookup.
 
-One plan serves every path: the eager call launches its kernels, the
+One plan serves every path: the eager call runs its kernels, the
 autograd backward takes its "backward" kernel, compile-only mode warms all
 of them (``Plan.warm``), and a manifest (``quack/calls/manifest.py``) is a list of
 signatures that tools/warm_cache.py warms through the same plans.  The arch
@@ -76,8 +76,8 @@ class Kernel:
     def run(self, **values) -> None:
         """Launch on a call's values, by the kernel's parameter names (absent
         ones None; ``Launch.arguments``); nothing launches for zero rows."""
-        args, m = self.launch.arguments(values)
-        if m > 0:
+        args, no_rows = self.launch.arguments(values)
+        if not no_rows:
             self.load()(*args)
 
     def arg(self, name: str):

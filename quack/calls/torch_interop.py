@@ -117,6 +117,14 @@ def current_stream(device: torch.device) -> int:
     return torch._C._cuda_getCurrentRawStream(device.index if device.index is not None else 0)
 
 
+def row_length(t: torch.Tensor) -> int:
+    """N, t's last dimension, as an int: a signature field and an object key
+    argument must hash, also in a registered op's fake implementation under
+    compile-only mode, where torch.compile(dynamic=True) hands it symbolic
+    sizes (this specialises the traced graph on N)."""
+    return int(t.shape[-1])
+
+
 def as_rows(t: torch.Tensor, n: int) -> torch.Tensor:
     """View a contiguous (..., N) tensor as (M, N).
 

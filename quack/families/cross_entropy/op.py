@@ -174,7 +174,7 @@ class CrossEntropyCall(Signature):
 
 def call_signature(logits, target, reduction: str, backward: bool) -> CrossEntropyCall:
     """The signature of a call on these tensors (the vector width from the logits' alignment)."""
-    n = logits.shape[-1]
+    n = ti.row_length(logits)
     return CrossEntropyCall(
         ti.dtype_name(logits.dtype), ti.dtype_name(target.dtype), n, ti.vector_width(n, logits), reduction, backward
     )
@@ -226,7 +226,7 @@ def _cross_entropy_bwd(
 ) -> None:
     """Launch the backward kernel: dloss is the (M,) fp32 gradient of each
     row's loss (the object from the tensors themselves)."""
-    n = logits.shape[-1]
+    n = ti.row_length(logits)
     kernel = Kernel(
         compile_cross_entropy_bwd,
         (ti.dtype_name(logits.dtype), ti.dtype_name(target.dtype), n, ti.vector_width(n, logits)), BACKWARD,
@@ -432,12 +432,12 @@ def _inference_closure(plan: Plan, logits: torch.Tensor, target: torch.Tensor):
     m, dtype, device = logits.numel() // logits.shape[-1], logits.dtype, logits.device
     flat_target = target.dim() == 1 and target.is_contiguous()
     empty = torch.empty
-    slot = {name: i for i, name in enumerate(plan.kernel_of("forward").launch.parameters)}
+    slot = fastpath.argument_slots(plan, "forward")
     logits_at, target_at, loss_at, out_at = slot["logits"], slot["target"], slot["loss"], slot["out"]
-    counter_at, ignore_at, width = slot["counter"], slot["ignore_index"], len(slot)
+    counter_at, ignore_at, nones = slot["counter"], slot["ignore_index"], [None] * len(slot)
 
     def run(logits, target, ignore_index, _reduction):  # the key fixed the reduction
-        args = [None] * width
+        args = nones.copy()
         args[out_at] = out = empty((), device=device, dtype=dtype)
         args[counter_at], args[loss_at] = reduction_scratch(device, m)
         args[logits_at], args[ignore_at] = logits, ignore_index

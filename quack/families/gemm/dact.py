@@ -15,9 +15,14 @@ from quack.cache import compile_options, jit_cache
 from quack.compile_only import is_compile_only
 from quack.calls.cute_op import cute_op
 from quack.families.gemm.epilogue import GATED
+from quack.calls.launches import Launch, in_order
 from quack.calls.plan import Kernel
 
 _VECTOR_BYTES = 16
+
+
+# The kernel takes its 2-D tensors as they come (rows of 16-byte vectors).
+ACTIVATION_GRAD = Launch("quack.families.gemm.dact_kernel:ActivationGrad", rows=frozenset())
 
 
 @jit_cache("gemm")
@@ -40,13 +45,13 @@ def compile_activation_grad(dtype: str, activation: str):
         return cute.runtime.make_fake_tensor(dt, (m, cols), stride, assumed_align=_VECTOR_BYTES)
 
     kernel = ActivationGrad(GATED.get(activation, activation), gated, vec)
-    return cute.compile(kernel, rows(n), rows(z_cols), rows(z_cols), cute.runtime.make_fake_stream(),
-                        options=compile_options())
+    fakes = dict(grad_out=rows(n), preact=rows(z_cols), grad_pre=rows(z_cols), stream=cute.runtime.make_fake_stream())
+    return cute.compile(kernel, *in_order(ActivationGrad, fakes), options=compile_options())
 
 
 def activation_grad_kernel(dtype: str, activation: str) -> Kernel:
     """The object a training call's plan lists for its backward's dZ."""
-    return Kernel(compile_activation_grad, (dtype, activation))
+    return Kernel(compile_activation_grad, (dtype, activation), ACTIVATION_GRAD)
 
 
 def activation_grad(grad_out: torch.Tensor, preact: torch.Tensor, activation: str) -> torch.Tensor:
@@ -70,9 +75,10 @@ def _activation_grad(grad_out: torch.Tensor, preact: torch.Tensor, grad_pre: tor
     """The registered op (torch.compile's graphs call it): dZ into ``grad_pre``.
     A gradient whose rows are not 16-byte vectors (a transpose, a broadcast
     along columns) is copied first."""
-    handle = activation_grad_kernel(ti.dtype_name(preact.dtype), activation).load()
+    kernel = activation_grad_kernel(ti.dtype_name(preact.dtype), activation)
     if is_compile_only():
+        kernel.load()
         return
     if not _vector_rows(grad_out):
         grad_out = grad_out.clone(memory_format=torch.contiguous_format)
-    handle(grad_out, preact, grad_pre, ti.current_stream(preact.device))
+    kernel.run(grad_out=grad_out, preact=preact, grad_pre=grad_pre)

@@ -43,14 +43,14 @@ class ActivationGrad:
         self.dy_vec = vec // 2 if gated else vec
 
     @cute.jit
-    def __call__(self, mDy: cute.Tensor, mZ: cute.Tensor, mDz: cute.Tensor, stream: cuda.CUstream):
+    def __call__(self, grad_out: cute.Tensor, preact: cute.Tensor, grad_pre: cute.Tensor, stream: cuda.CUstream):
         threads = cute.make_ordered_layout((THREADS // LANES_N, LANES_N), order=(1, 0))
-        z_copy = cute.make_tiled_copy_tv(_vector_atom(mZ.element_type, self.vec), threads,
+        z_copy = cute.make_tiled_copy_tv(_vector_atom(preact.element_type, self.vec), threads,
                                          cute.make_layout((1, self.vec)))
-        dy_copy = cute.make_tiled_copy_tv(_vector_atom(mDy.element_type, self.dy_vec), threads,
+        dy_copy = cute.make_tiled_copy_tv(_vector_atom(grad_out.element_type, self.dy_vec), threads,
                                           cute.make_layout((1, self.dy_vec)))
-        self.kernel(mDy, mZ, mDz, z_copy, dy_copy).launch(
-            grid=[cute.ceil_div(mZ.shape[0], TILE_M), cute.ceil_div(mZ.shape[1], LANES_N * self.vec), 1],
+        self.kernel(grad_out, preact, grad_pre, z_copy, dy_copy).launch(
+            grid=[cute.ceil_div(preact.shape[0], TILE_M), cute.ceil_div(preact.shape[1], LANES_N * self.vec), 1],
             block=[THREADS, 1, 1],
             stream=stream,
         )

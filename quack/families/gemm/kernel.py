@@ -71,6 +71,7 @@ from cutlass import Boolean, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warp, warpgroup
 
 from quack.families.gemm.activation import activate, activation_derivative, gate_gradients
+from quack.families.gemm.config import GemmConfig
 from quack.families.gemm.epilogue import parse_epilogue
 from quack.families.gemm.schedule import find_group, first_cursor, group_rows, tile_in_group
 from quack.families.gemm.threads import THREADS_PER_WARPGROUP, cta_threads
@@ -256,8 +257,9 @@ class HopperGemm:
     for a gated one.
     """
 
-    def __init__(self, tile_m: int, tile_n: int, cluster_m: int, cluster_n: int, band: int, a_m_major: bool,
-                 b_n_major: bool, varlen_k: bool = False, activation: Optional[str] = None):
+    def __init__(self, cfg: GemmConfig, a_m_major: bool, b_n_major: bool, varlen_k: bool = False,
+                 activation: Optional[str] = None):
+        tile_m, tile_n = cfg.tile_m, cfg.tile_n
         self.activation, self.gated, self.derivative = parse_epilogue(activation)
         self.tile_mnk = (tile_m, tile_n, TILE_K)
         # D's columns per tile
@@ -266,9 +268,9 @@ class HopperGemm:
             raise ValueError(f"a gated derivative's tile is at most 128 columns wide, got {tile_n}")
         self.a_m_major = a_m_major
         self.varlen_k = varlen_k
-        self.cluster_m = cluster_m
-        self.cluster_n = cluster_n
-        self.band = band
+        self.cluster_m = cfg.cluster_m
+        self.cluster_n = cfg.cluster_n
+        self.band = cfg.band
         self.b_n_major = b_n_major
         self.consumer_warpgroups = tile_m // 64
         self.threads = cta_threads(tile_m)

@@ -11,12 +11,12 @@ import torch
 
 from quack.calls import torch_interop as ti
 from quack.calls.cute_op import cute_op
-from quack.calls.plan import Plan, plan_for
+from quack.calls.plan import Kernel, Plan, plan_for
 from quack.compile_only import is_compile_only
 from quack.families.gemm.config import GemmConfig, group_class, kernel_grouping, resident_clusters
 from quack.families.gemm.epilogue import TORCH_ACTIVATIONS, parse_epilogue
 from quack.families.gemm.operands import Operands, check_tma
-from quack.families.gemm.signature import compile_gemm, plan_of, signature_of
+from quack.families.gemm.signature import GEMM, compile_gemm, plan_of, signature_of
 
 
 def product(ops: Operands, cu, plan: Optional[Plan] = None, warm_empty: bool = True) -> torch.Tensor:
@@ -69,7 +69,7 @@ def _run(plan: Plan, ops: Operands, cu_seqlens) -> None:
     if role == "varlen_m":
         role = group_class(ops.a.shape[0] / max(1, ops.b3.shape[0]))
     a = ops.a.t() if ops.a_m_major else ops.a  # the kernel takes an M-contiguous A as (K, M)
-    _launch(plan.kernel_of(role).load(), plan.signature.config(role), a, ops.b3, ops.out.flatten(0, -2),
+    _launch(plan.kernel_of(role), plan.signature.config(role), a, ops.b3, ops.out.flatten(0, -2),
             cu_seqlens, ops.bias, ops.preact)
 
 
@@ -92,11 +92,12 @@ def _gemm(a: torch.Tensor, b3: torch.Tensor, out: torch.Tensor, cu_seqlens: Opti
 def launch_gemm(a, b3, out, cu_seqlens, b_n_major: bool, cfg: GemmConfig, a_m_major: bool = False) -> None:
     """Run a configuration of the caller's choice on validated operands
     (tools/bench/gemm_configs.py compares them; the op runs its plan's)."""
-    kernel = compile_gemm(ti.dtype_name(a.dtype), ti.dtype_name(out.dtype), a_m_major, b_n_major,
-                          kernel_grouping(out, cu_seqlens), None, None, False, tuple(cfg))
-    _launch(kernel, cfg, a.t() if a_m_major else a, b3, out.flatten(0, -2), cu_seqlens)
+    args = (ti.dtype_name(a.dtype), ti.dtype_name(out.dtype), a_m_major, b_n_major, kernel_grouping(out, cu_seqlens),
+            None, None, False, tuple(cfg))
+    _launch(Kernel(compile_gemm, args, GEMM), cfg, a.t() if a_m_major else a, b3, out.flatten(0, -2), cu_seqlens)
 
 
-def _launch(kernel, cfg: GemmConfig, a, b3, out, cu_seqlens, bias=None, preact=None) -> None:
+def _launch(kernel: Kernel, cfg: GemmConfig, a, b3, out, cu_seqlens, bias=None, preact=None) -> None:
     """Launch on the kernel's views (an M-contiguous A as (K, M))."""
-    kernel(a, b3, out, cu_seqlens, bias, preact, resident_clusters(cfg, a.device), ti.current_stream(a.device))
+    kernel.run(a=a, b=b3, d=out, cu_seqlens=cu_seqlens, bias=bias, preact=preact,
+               max_clusters=resident_clusters(cfg, a.device))

@@ -16,6 +16,7 @@ import torch
 
 from quack.cache import compile_options, jit_cache
 from quack.calls import torch_interop as ti
+from quack.calls.launches import Launch, in_order
 from quack.calls.plan import Kernel, Plan, Signature, blame, fake_tensor, plan_for, signature, torch_dtype
 from quack.families.gemm.config import (ALIGN_ELEMENTS, GROUP_CLASSES, GROUPINGS, GemmConfig, gemm_config,
                                         weight_grad_grouping)
@@ -23,6 +24,11 @@ from quack.families.gemm.dact import activation_grad_kernel
 from quack.families.gemm.epilogue import DERIVATIVES, GATED, check_activation, parse_epilogue
 from quack.families.gemm.operands import (Operands, call_operands, check_call, check_epilogue, check_gemm,
                                           check_operand, columns)
+
+
+# The kernel takes its operands as they come (no rows view): the product
+# makes the views (``product.py``).
+GEMM = Launch("quack.families.gemm.kernel:HopperGemm", rows=frozenset())
 
 
 @jit_cache("gemm")
@@ -62,10 +68,10 @@ def compile_gemm(ab_dtype: str, d_dtype: str, a_m_major: bool, b_n_major: bool, 
     grouped = grouping != "dense"
     cu = compact(Int32, (cute.sym_int(),), assumed_align=4) if grouped else None
     bias = compact(ti.cute_dtype(bias_dtype), (n,), assumed_align=4) if bias_dtype else None
-    kernel = HopperGemm(cfg.tile_m, cfg.tile_n, cfg.cluster_m, cfg.cluster_n, cfg.band, a_m_major, b_n_major,
-                        varlen_k=grouping == "varlen_k", activation=activation)
-    return cute.compile(kernel, a, b, d, cu, bias, preact, Int32(1), cute.runtime.make_fake_stream(),
-                        options=compile_options())
+    kernel = HopperGemm(cfg, a_m_major, b_n_major, varlen_k=grouping == "varlen_k", activation=activation)
+    fakes = dict(a=a, b=b, d=d, cu_seqlens=cu, bias=bias, preact=preact, max_clusters=Int32(1),
+                 stream=cute.runtime.make_fake_stream())
+    return cute.compile(kernel, *in_order(HopperGemm, fakes), options=compile_options())
 
 
 @signature
@@ -98,7 +104,7 @@ class GemmCall(Signature):
         args = (self.ab_dtype, self.out_dtype, self.a_m_major, self.b_n_major, self.grouping, self.activation,
                 self.bias_dtype, store_preact)
         roles = [role for role, _ in GROUP_CLASSES] if self.grouping == "varlen_m" else [self.grouping]
-        own = tuple((role, Kernel(compile_gemm, (*args, tuple(self.config(role))))) for role in roles)
+        own = tuple((role, Kernel(compile_gemm, (*args, tuple(self.config(role))), GEMM)) for role in roles)
         # The backward's products are GEMM calls of their own, listed here so
         # that warming this call warms them too; with an activation, the
         # elementwise kernel of dZ comes before them.

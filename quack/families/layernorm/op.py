@@ -147,7 +147,7 @@ class LayerNormCall(Signature):
 
 def call_signature(x, weight, bias, backward: bool) -> LayerNormCall:
     """The signature of a call on these tensors (the vector width from their alignment)."""
-    n = x.shape[-1]
+    n = ti.row_length(x)
     return LayerNormCall(
         ti.dtype_name(x.dtype), _name(weight), _name(bias), n, ti.vector_width(n, x, weight, bias), backward
     )
@@ -196,7 +196,7 @@ def _layernorm_bwd(
 ) -> None:
     """Launch the backward kernel (its object from the tensors themselves; db
     given exactly when the call had a bias)."""
-    kernel = backward_kernel(ti.dtype_name(x.dtype), _name(weight), db is not None, x.shape[-1])
+    kernel = backward_kernel(ti.dtype_name(x.dtype), _name(weight), db is not None, ti.row_length(x))
     # eps: RMSNorm's only (its N = 1 dx).
     run_norm_backward(kernel, dw, db, x=x, weight=weight, dy=dy, mean=mean, rstd=rstd, dx=dx, eps=0.0)
 

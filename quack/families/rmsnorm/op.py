@@ -132,7 +132,7 @@ class RMSNormCall(Signature):
 
 def call_signature(x, weight, residual, backward: bool) -> RMSNormCall:
     """The signature of a call on these tensors (the vector width from their alignment)."""
-    n = x.shape[-1]
+    n = ti.row_length(x)
     vec = ti.vector_width(n, x, weight, residual)
     return RMSNormCall(ti.dtype_name(x.dtype), _name(weight), residual is not None, n, vec, backward)
 
@@ -178,7 +178,7 @@ def _rmsnorm_bwd(
     eps: float,
 ) -> None:
     """Launch the backward kernel (its object from the tensors themselves)."""
-    kernel = backward_kernel(ti.dtype_name(x.dtype), _name(weight), dh_out is not None, x.shape[-1])
+    kernel = backward_kernel(ti.dtype_name(x.dtype), _name(weight), dh_out is not None, ti.row_length(x))
     run_norm_backward(kernel, dw, None, x=x, weight=weight, dy=dy, dh_out=dh_out, rstd=rstd, dx=dx, eps=eps)
 
 

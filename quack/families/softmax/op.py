@@ -103,7 +103,7 @@ class SoftmaxCall(Signature):
 
 def call_signature(x, backward: bool) -> SoftmaxCall:
     """The signature of a call on x (the vector width from its alignment)."""
-    n = x.shape[-1]
+    n = ti.row_length(x)
     return SoftmaxCall(ti.dtype_name(x.dtype), n, ti.vector_width(n, x), backward)
 
 
@@ -124,7 +124,7 @@ def _softmax_fwd(x: torch.Tensor, out: torch.Tensor) -> None:
 @cute_op("quack::softmax_bwd", mutates_args=("dx",))
 def _softmax_bwd(y: torch.Tensor, dy: torch.Tensor, dx: torch.Tensor) -> None:
     """Launch the backward kernel (its object from the tensors themselves)."""
-    backward_kernel(ti.dtype_name(y.dtype), y.shape[-1]).run(y=y, dy=dy, dx=dx)
+    backward_kernel(ti.dtype_name(y.dtype), ti.row_length(y)).run(y=y, dy=dy, dx=dx)
 
 
 def _validate(x) -> None:
