@@ -21,9 +21,11 @@ pytest.importorskip("quack.launch._fastlaunch")
 def recorded(monkeypatch):
     """The closures get a launcher that records its arguments."""
     calls = []
-    monkeypatch.setattr(
-        fastpath, "direct", lambda plan, role, device, rows=frozenset(): lambda *a: calls.append((rows, a))
-    )
+    def direct(plan, role, device, rows=None):
+        rows = fastpath.row_positions(plan, role) if rows is None else rows
+        return lambda *a: calls.append((rows, a))
+
+    monkeypatch.setattr(fastpath, "direct", direct)
     return calls
 
 
@@ -53,3 +55,13 @@ def test_layernorm_closure(recorded):
     plan = layernorm.plan_for(layernorm.LayerNormCall("float32", "float32", "float32", 8, 4, False))
     y = layernorm._inference_closure(plan, x.device)(x, w, b, 1e-5)
     assert recorded == [({0, 3}, (x, w, b, y, None, None, 1e-5, None))]
+
+
+def test_cross_entropy_closure(recorded, monkeypatch):
+    cross_entropy = importlib.import_module("quack.families.cross_entropy.op")
+    counter, rows = torch.zeros(1, dtype=torch.int32), torch.empty(4)
+    monkeypatch.setattr(cross_entropy, "reduction_scratch", lambda device, m: (counter, rows))
+    logits, target = torch.randn(4, 8), torch.zeros(4, dtype=torch.int64)
+    plan = cross_entropy.plan_for(cross_entropy.CrossEntropyCall("float32", "int64", 8, 4, "mean", False))
+    loss = cross_entropy._inference_closure(plan, logits, target)(logits, target, -100, 0)
+    assert loss.shape == () and recorded == [({0}, (logits, target, rows, None, loss, None, counter, -100, None))]

@@ -70,3 +70,13 @@ def test_arguments_view_rows_and_skip_empty_calls(monkeypatch):
         launch.arguments({"y": y, "dy": dy, "dx": dx, "out": dx})
     _, empty = launch.arguments({"y": y[:0], "dy": dy[:0], "dx": dx[:0]})
     assert empty
+
+
+def test_positional_closures_are_checked_against_the_launch():
+    from quack.calls import fastpath
+    from quack.families.softmax import op as softmax
+
+    plan = softmax.plan_for(softmax.SoftmaxCall("float32", 8, 4, False))
+    assert fastpath.trailing_arguments(plan, "forward", ("x",), out=3) == (3, None)
+    with pytest.raises(TypeError, match="begin"):
+        fastpath.trailing_arguments(plan, "forward", ("out", "x"))

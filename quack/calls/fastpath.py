@@ -150,22 +150,33 @@ def like_launch(plan, role: str, device: torch.device, call: tuple[str, ...], re
     the call's (in the order the op hands ``Closures.call``), those named in
     ``returns`` the outputs, each allocated like the call's first argument;
     every other argument is None (the stream: the launcher reads it)."""
-    launch = plan.kernel_of(role).launch
+    names = plan.kernel_of(role).launch.parameters
     template = tuple(
         call.index(name) if name in call else output(returns.index(name)) if name in returns else NONE
-        for name in launch.parameters
+        for name in names
     )
-    return like_closure(direct(plan, role, device, _positions(launch.parameters, launch.rows)), len(returns), template)
+    return like_closure(direct(plan, role, device, row_positions(plan, role)), len(returns), template)
 
 
-def argument_slots(plan, role: str) -> dict[str, int]:
-    """Each argument's position in ``plan``'s ``role`` kernel (its launch's
-    parameters), for a closure that fills them in."""
-    return {name: i for i, name in enumerate(plan.kernel_of(role).launch.parameters)}
+def trailing_arguments(plan, role: str, leading: tuple[str, ...], **fixed: Any) -> tuple:
+    """For a closure that passes the arguments ``leading`` of ``plan``'s
+    ``role`` kernel first, in that order (TypeError where the kernel's launch
+    orders them otherwise): the rest, ``fixed`` values by name, None for
+    others (the stream: the launcher reads it).  Positional arguments keep
+    the closure's call as cheap as the launch itself."""
+    names = plan.kernel_of(role).launch.parameters
+    if names[:len(leading)] != leading:
+        raise TypeError(f"the {role} kernel's arguments begin {names[:len(leading)]}, not {leading}")
+    return tuple(fixed.get(name) for name in names[len(leading):])
 
 
-def _positions(parameters: tuple[str, ...], names: frozenset[str]) -> frozenset[int]:
-    return frozenset(i for i, name in enumerate(parameters) if name in names)
+def row_positions(plan, role: str) -> frozenset[int]:
+    """The positions of the arguments ``plan``'s ``role`` kernel takes as
+    (M, N) rows (its launch's; none for a kernel without a launch)."""
+    launch = plan.kernel_of(role).launch
+    if launch is None:
+        return frozenset()
+    return frozenset(i for i, name in enumerate(launch.parameters) if name in launch.rows)
 
 
 def direct(plan, role: str, device: torch.device, rows: Optional[frozenset[int]] = None):
@@ -173,8 +184,7 @@ def direct(plan, role: str, device: torch.device, rows: Optional[frozenset[int]]
     (``KernelHandle.direct``), or None.  ``rows``: the argument positions it
     views as (M, N) rows (None: those its launch names)."""
     if rows is None:
-        launch = plan.kernel_of(role).launch
-        rows = frozenset() if launch is None else _positions(launch.parameters, launch.rows)
+        rows = row_positions(plan, role)
     handle = plan.kernel(role)
     make = getattr(handle, "direct", None)
     return make(device.index, rows) if make is not None else None

@@ -432,17 +432,14 @@ def _inference_closure(plan: Plan, logits: torch.Tensor, target: torch.Tensor):
     m, dtype, device = logits.numel() // logits.shape[-1], logits.dtype, logits.device
     flat_target = target.dim() == 1 and target.is_contiguous()
     empty = torch.empty
-    slot = fastpath.argument_slots(plan, "forward")
-    logits_at, target_at, loss_at, out_at = slot["logits"], slot["target"], slot["loss"], slot["out"]
-    counter_at, ignore_at, nones = slot["counter"], slot["ignore_index"], [None] * len(slot)
+    leading = ("logits", "target", "loss", "lse", "out", "stats", "counter", "ignore_index")
+    rest = fastpath.trailing_arguments(plan, "forward", leading)
 
     def run(logits, target, ignore_index, _reduction):  # the key fixed the reduction
-        args = nones.copy()
-        args[out_at] = out = empty((), device=device, dtype=dtype)
-        args[counter_at], args[loss_at] = reduction_scratch(device, m)
-        args[logits_at], args[ignore_at] = logits, ignore_index
-        args[target_at] = target if flat_target else target.reshape(-1).contiguous()
-        return out if launch(*args) is None else NotImplemented
+        out = empty((), device=device, dtype=dtype)
+        t = target if flat_target else target.reshape(-1).contiguous()
+        counter, rows = reduction_scratch(device, m)
+        return out if launch(logits, t, rows, None, out, None, counter, ignore_index, *rest) is None else NotImplemented
 
     return run
 

@@ -129,16 +129,12 @@ def _dense_closure(plan: Plan, b3: torch.Tensor, out: torch.Tensor):
     b_shape, b_strides = tuple(b3.shape), b3.stride()
     out_shape, out_dtype, device = tuple(out.shape), out.dtype, out.device
     empty = torch.empty
-    slot = fastpath.argument_slots(plan, "dense")
-    a_at, b_at, d_at, width = slot["a"], slot["b"], slot["d"], len(slot)
-    arguments = [None] * width
-    arguments[slot["max_clusters"]] = resident_clusters(plan.signature.config("dense"), out.device)
+    max_clusters = resident_clusters(plan.signature.config("dense"), out.device)
+    rest = fastpath.trailing_arguments(plan, "dense", ("a", "b", "d"), max_clusters=max_clusters)
 
     def run(A, B, _cu_m, _cu_k, _out_dtype_code):  # the key fixed these
-        args = arguments.copy()
-        args[d_at] = out = empty(out_shape, device=device, dtype=out_dtype)
-        args[a_at], args[b_at] = A, B.as_strided(b_shape, b_strides)
-        return out if launch(*args) is None else NotImplemented
+        out = empty(out_shape, device=device, dtype=out_dtype)
+        return out if launch(A, B.as_strided(b_shape, b_strides), out, *rest) is None else NotImplemented
 
     return run
 
