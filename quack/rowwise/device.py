@@ -43,6 +43,14 @@ FLT_MAX = 3.4028234663852886e38
 from quack.rowwise.config import STAGED_CTAS_PER_SM, RowConfig  # noqa: E402
 
 
+class RowKernel:
+    """Base of the row-wise kernel classes: each is built from its launch
+    settings (``RowConfig``), which its host and device code read."""
+
+    def __init__(self, cfg: RowConfig):
+        self.cfg = cfg
+
+
 def fake_rows(dtype, m, n: int, vec: int):
     """A compile-time (M, N) row-major tensor: M symbolic (shared object ``m``),
     row stride a symbolic 64-bit multiple of ``vec``."""

@@ -39,11 +39,11 @@ from quack.rowwise import device as rowwise
 from quack.rowwise.norm_backward_grid import L2, REGISTERS, SMEM, ctas_per_sm, pipeline_plan
 from quack.rowwise.device import RowConfig
 
-class NormBackward:
+class NormBackward(rowwise.RowKernel):
     """dx (and partial dw, db rows) of RMSNorm (``centred`` False) or LayerNorm."""
 
     def __init__(self, cfg: RowConfig, centred: bool):
-        self.cfg = cfg
+        super().__init__(cfg)
         self.centred = centred
 
     @cute.jit

@@ -61,13 +61,13 @@ def _read_target(mTarget: cute.Tensor, row: Int32, ignore_index: Int32, n: cutla
     return tgt, mode
 
 
-class CrossEntropyForward:
+class CrossEntropyForward(rowwise.RowKernel):
     """loss[row] = logsumexp(x[row]) - x[row, target[row]]; also lse[row] given mLse (for a backward).
     ``reduction`` "mean" or "sum" also writes the reduced loss to mOut (and,
     given mStats, the fp32 sum and count); None writes the rows only."""
 
     def __init__(self, cfg: RowConfig, reduction=None):
-        self.cfg = cfg
+        super().__init__(cfg)
         self.reduction = reduction
 
     @cute.jit
@@ -233,11 +233,8 @@ def _reduce_in_last_cta(
             mCounter[0] = Int32(0)
 
 
-class CrossEntropyBackward:
+class CrossEntropyBackward(rowwise.RowKernel):
     """dx = (softmax(x) - onehot(target)) * dloss_row, from the stored lse."""
-
-    def __init__(self, cfg: RowConfig):
-        self.cfg = cfg
 
     @cute.jit
     def __call__(

@@ -15,6 +15,8 @@ import cutlass.cute as cute
 from cutlass import const_expr
 
 _GELU_TANH_SCALE = 0.7978845608028654  # sqrt(2 / pi)
+# log2(e), as rowwise/device.py has it: written again on purpose, since importing
+# that module would put the row-wise device code into the GEMM objects' key.
 _LOG2_E = 1.4426950408889634
 
 

@@ -31,7 +31,6 @@ import cutlass.cute as cute
 from cutlass import Float32, const_expr
 
 from quack.rowwise import device as rowwise
-from quack.rowwise.device import RowConfig
 
 
 def _masked(values, valid):
@@ -58,11 +57,8 @@ def _merge_moments(a, b):
     return count, a[1] + b[1], a[2] + b[2] + delta * delta * (a[0] * b[0] * _inverse(count))
 
 
-class LayerNormForward:
+class LayerNormForward(rowwise.RowKernel):
     """y = (x - mean) * rstd * w + b; also writes mean and rstd when given."""
-
-    def __init__(self, cfg: RowConfig):
-        self.cfg = cfg
 
     @cute.jit
     def __call__(

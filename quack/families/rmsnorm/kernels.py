@@ -24,14 +24,10 @@ import cutlass.cute as cute
 from cutlass import Float32, const_expr
 
 from quack.rowwise import device as rowwise
-from quack.rowwise.device import RowConfig
 
 
-class RMSNormForward:
+class RMSNormForward(rowwise.RowKernel):
     """y = rmsnorm(x + residual) * w; also writes x + residual and rstd when given."""
-
-    def __init__(self, cfg: RowConfig):
-        self.cfg = cfg
 
     @cute.jit
     def __call__(

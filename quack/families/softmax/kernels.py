@@ -31,11 +31,8 @@ from quack.rowwise.device import RowConfig
 
 
 
-class SoftmaxForward:
+class SoftmaxForward(rowwise.RowKernel):
     """y = softmax(x) over each row."""
-
-    def __init__(self, cfg: RowConfig):
-        self.cfg = cfg
 
     @cute.jit
     def __call__(self, x: cute.Tensor, out: cute.Tensor, stream: cuda.CUstream):
@@ -92,11 +89,8 @@ class SoftmaxForward:
             rowwise.store_row(atom_y, tXrY, tXgY, tXpX)
 
 
-class SoftmaxBackward:
+class SoftmaxBackward(rowwise.RowKernel):
     """dx = y * (dy - sum(y * dy)) over each row."""
-
-    def __init__(self, cfg: RowConfig):
-        self.cfg = cfg
 
     @cute.jit
     def __call__(self, y: cute.Tensor, dy: cute.Tensor, dx: cute.Tensor, stream: cuda.CUstream):
