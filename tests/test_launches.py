@@ -80,3 +80,18 @@ def test_positional_closures_are_checked_against_the_launch():
     assert fastpath.trailing_arguments(plan, "forward", ("x",), out=3) == (3, None)
     with pytest.raises(TypeError, match="begin"):
         fastpath.trailing_arguments(plan, "forward", ("out", "x"))
+
+
+def test_outputs_are_allocated_where_the_call_asks():
+    from quack.calls.launches import NEW, PER_ROW, Output
+
+    launch = Launch("quack.families.rmsnorm.kernels:RMSNormForward", frozenset({"x", "out"}), outputs=(
+        ("out", Output("x")), ("residual_out", Output("x")), ("rstd", Output("x", PER_ROW, "float32")),
+    ))
+    x = torch.randn(2, 3, 8, dtype=torch.bfloat16)
+    given = torch.empty_like(x)
+    values = launch.allocate({"x": x, "out": given, "residual_out": None, "rstd": NEW})
+    assert values["out"] is given and values["residual_out"] is None
+    assert values["rstd"].shape == (6,) and values["rstd"].dtype == torch.float32
+    fixed = Output("x", (2,), "float32").allocate({"x": x})
+    assert fixed.shape == (2,) and Output("x").allocate({"x": x}).shape == x.shape

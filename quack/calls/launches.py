@@ -18,10 +18,37 @@ import dataclasses
 import functools
 import importlib.util
 import pathlib
-from typing import Any
+import math
+from typing import Any, Optional, Union
 
 # The one argument a call never supplies: torch's current stream, read at launch.
 STREAM = "stream"
+# A call's value for an output the launch is to allocate (``Launch.allocate``).
+NEW = object()
+# An ``Output`` shape: one value per row of the tensor it is made beside.
+PER_ROW = "per_row"
+
+
+@dataclasses.dataclass(frozen=True)
+class Output:
+    """An argument a launch allocates: beside the call's value ``like`` (its
+    device), of its shape (``shape`` None), one value per row of it
+    (``PER_ROW``) or a fixed shape, and of its dtype (``dtype`` None) or
+    the torch dtype named."""
+
+    like: str
+    shape: Union[None, str, tuple[int, ...]] = None
+    dtype: Optional[str] = None
+
+    def allocate(self, values: dict[str, Any]):
+        import torch
+
+        ref = values[self.like]
+        if self.shape is None and self.dtype is None:
+            return torch.empty_like(ref)
+        shape = ref.shape if self.shape is None else (math.prod(ref.shape[:-1]),) if self.shape == PER_ROW else self.shape
+        dtype = ref.dtype if self.dtype is None else getattr(torch, self.dtype)
+        return torch.empty(shape, device=ref.device, dtype=dtype)
 
 
 @functools.lru_cache(maxsize=None)
@@ -57,14 +84,24 @@ class Launch:
     """How a call launches one kernel: the class whose ``__call__`` orders
     its arguments (``"module:Class"``), the arguments viewed as (M, N) rows
     (the first of them gives M and N: no launch for zero rows; a kernel
-    without rows takes its tensors as they come), and those
-    copied to a 16-byte aligned base where they are not (``aligned``: a
-    backward's object runs at full vector width, whatever views autograd
-    hands it)."""
+    without rows takes its tensors as they come), those copied to a 16-byte
+    aligned base where they are not (``aligned``: a backward's object runs
+    at full vector width, whatever views autograd hands it), and the
+    outputs it allocates where a call asks (``allocate``)."""
 
     kernel_class: str
     rows: frozenset[str]
     aligned: frozenset[str] = frozenset()
+    outputs: tuple[tuple[str, Output], ...] = ()
+
+    def allocate(self, values: dict[str, Any]) -> dict[str, Any]:
+        """``values`` with each output given as ``NEW`` allocated (``Output``);
+        the call's tensors and shapes decide them, not the plan, so a call
+        traced by torch.compile allocates as an eager one does."""
+        for name, output in self.outputs:
+            if values.get(name) is NEW:
+                values[name] = output.allocate(values)
+        return values
 
     @property
     def parameters(self) -> tuple[str, ...]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from quack.calls import occupancy
 from quack.calls import torch_interop as ti
-from quack.calls.launches import Launch
+from quack.calls.launches import Launch, Output
 from quack.rowwise.config import RowConfig, backward_config
 
 # Where the backward keeps its weight slice, the same for every row tile:
@@ -68,10 +68,10 @@ def grid_clusters(cfg: RowConfig, m: int, device_index: int, row_bytes: int, wei
 
 
 # The shared norm backward's arguments (its __call__) that are (M, N) rows
-# (the partial-sum buffers are made (rows, N) here), and those it realigns.
+# (the partial-sum buffers are made (rows, N) here), those it realigns, and dx.
 NORM_BACKWARD = Launch(
     "quack.rowwise.norm_backward:NormBackward", rows=frozenset({"x", "dy", "dh_out", "dx"}),
-    aligned=frozenset({"x", "weight", "dy", "dh_out"}),
+    aligned=frozenset({"x", "weight", "dy", "dh_out"}), outputs=(("dx", Output("x")),),
 )
 
 

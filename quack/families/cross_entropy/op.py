@@ -39,7 +39,7 @@ from quack.calls import fastpath
 from quack.compile_only import differentiable_outputs, is_compile_only
 from quack.calls.cute_op import cute_op
 from quack.calls.eager import eager_plan
-from quack.calls.launches import Launch, in_order
+from quack.calls.launches import NEW, PER_ROW, Launch, Output, in_order
 from quack.calls.plan import Kernel, Plan, Signature, blame, fake_rows_input, fake_tensor, plan_for, signature
 from quack.rowwise.config import MAX_N, RowConfig, forward_config
 
@@ -75,9 +75,19 @@ def backward_tiles(n: int, vec: int) -> RowConfig:
 # This op's eager fast path (quack/calls/fastpath.py).
 _FAST = fastpath.Closures()
 
-# The kernels' arguments (their __call__) that are (M, N) rows.
-FORWARD = Launch("quack.families.cross_entropy.kernels:CrossEntropyForward", frozenset({"logits"}))
-BACKWARD = Launch("quack.families.cross_entropy.kernels:CrossEntropyBackward", frozenset({"logits", "dx"}))
+# The kernels' launches: the arguments (their __call__'s) that are (M, N)
+# rows, and the outputs they allocate (a reduction's result: one value of the
+# logits' dtype; its fp32 (sum, count) for a backward).
+ROW_VALUES = Output("logits", PER_ROW, "float32")
+FORWARD = Launch(
+    "quack.families.cross_entropy.kernels:CrossEntropyForward", frozenset({"logits"}),
+    outputs=(("loss", ROW_VALUES), ("lse", ROW_VALUES), ("out", Output("logits", (1,))),
+             ("stats", Output("logits", (2,), "float32"))),
+)
+BACKWARD = Launch(
+    "quack.families.cross_entropy.kernels:CrossEntropyBackward", frozenset({"logits", "dx"}),
+    outputs=(("dx", Output("logits")),),
+)
 
 
 def _cute_int(name: str):
@@ -275,25 +285,23 @@ def cross_entropy_fwd(logits, target, ignore_index: int = -100, reduction: str =
     stats: that reduction's fp32 (sum, count) for a backward.  ``plan``: the
     call's (eager); None goes through the registered op (torch.compile,
     direct use)."""
-    device = logits.device
-    m = math.prod(logits.shape[:-1])
-    loss = torch.empty(m, device=device, dtype=torch.float32) if reduction == "none" else None
-    lse = torch.empty(m, device=device, dtype=torch.float32) if backward else None
-    reduced = stats = None
-    if reduction != "none":
-        reduced = torch.empty(1, device=device, dtype=logits.dtype)
-        stats = torch.empty(2, device=device, dtype=torch.float32) if backward else None
-    if m == 0:
+    reducing = reduction != "none"
+    values = FORWARD.allocate(dict(
+        logits=logits, target=target.reshape(-1).contiguous(), loss=None if reducing else NEW,
+        lse=NEW if backward else None, out=NEW if reducing else None, stats=NEW if reducing and backward else None,
+        ignore_index=ignore_index,
+    ))
+    reduced, stats = values["out"], values["stats"]
+    if logits.numel() == 0:
         if reduced is not None and not is_compile_only():
             reduced.fill_(math.nan if reduction == "mean" else 0.0)  # as torch: the mean of no rows is NaN
             if stats is not None:
                 stats.zero_()
+    elif plan is not None:
+        _run_forward(plan.kernel_of("forward"), **values)
     else:
-        values = dict(logits=logits, target=target.reshape(-1).contiguous(), loss=loss, lse=lse, out=reduced,
-                      stats=stats, ignore_index=ignore_index)
-        _run_forward(plan.kernel_of("forward"), **values) if plan is not None else _cross_entropy_fwd(
-            **values, reduction=reduction)
-    return loss, lse, reduced.view(()) if reduced is not None else None, stats
+        _cross_entropy_fwd(**values, reduction=reduction)
+    return values["loss"], values["lse"], reduced.view(()) if reduced is not None else None, stats
 
 
 _SCRATCH: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
@@ -333,12 +341,13 @@ def _capturing(device: torch.device) -> bool:
 def cross_entropy_bwd(logits, target, lse, dloss_rows, ignore_index: int = -100, plan: Optional[Plan] = None):
     """Allocate dlogits and run the backward op; ``dloss_rows`` is the (M,)
     gradient of each row's loss."""
-    dx = torch.empty_like(logits)
-    if dx.numel() > 0:
-        values = dict(logits=logits, target=target.reshape(-1).contiguous(), lse=lse,
-                      dloss=dloss_rows.float().contiguous(), dx=dx, ignore_index=ignore_index)
+    values = BACKWARD.allocate(dict(
+        logits=logits, target=target.reshape(-1).contiguous(), lse=lse, dloss=dloss_rows.float().contiguous(), dx=NEW,
+        ignore_index=ignore_index,
+    ))
+    if logits.numel() > 0:
         plan.run("backward", **values) if plan is not None else _cross_entropy_bwd(**values)
-    return dx
+    return values["dx"]
 
 
 def _rows_out(loss, target, dtype):

@@ -28,7 +28,7 @@ from quack.calls import fastpath
 from quack.compile_only import differentiable_outputs
 from quack.calls.cute_op import cute_op
 from quack.calls.eager import eager_plan
-from quack.calls.launches import Launch, in_order
+from quack.calls.launches import NEW, PER_ROW, Launch, Output, in_order
 from quack.rowwise.norm_backward_grid import NORM_BACKWARD, run_norm_backward
 from quack.calls.plan import Kernel, Plan, Signature, blame, fake_rows_input, fake_tensor, plan_for, signature
 from quack.rowwise.config import MAX_N, backward_config, check_eps, forward_config
@@ -44,8 +44,13 @@ def _fake_param(dtype: Optional[str], n: int, vec: int):
 # This op's eager fast path (quack/calls/fastpath.py).
 _FAST = fastpath.Closures()
 
-# The forward kernel's arguments (its __call__) that are (M, N) rows.
-FORWARD = Launch("quack.families.layernorm.kernels:LayerNormForward", frozenset({"x", "out"}))
+# The forward kernel's launch: the arguments (its __call__'s) that are (M, N)
+# rows, and the outputs it allocates.
+STATISTIC = Output("x", PER_ROW, "float32")
+FORWARD = Launch(
+    "quack.families.layernorm.kernels:LayerNormForward", frozenset({"x", "out"}),
+    outputs=(("out", Output("x")), ("mean", STATISTIC), ("rstd", STATISTIC)),
+)
 
 
 @jit_cache("layernorm")
@@ -211,32 +216,26 @@ def layernorm_fwd(x, weight=None, bias=None, eps=1e-5, store_stats=True, plan: O
     """Allocate outputs and run the forward: returns (y, mean, rstd); the
     statistics are None unless ``store_stats``.  ``plan``: the call's
     (eager); None goes through the registered op (torch.compile, direct use)."""
-    m = math.prod(x.shape[:-1])
-    out = torch.empty_like(x)
-    mean = rstd = None
-    if store_stats:
-        mean = torch.empty(m, device=x.device, dtype=torch.float32)
-        rstd = torch.empty(m, device=x.device, dtype=torch.float32)
-    if m > 0:
-        values = dict(x=x, weight=weight, bias=bias, out=out, mean=mean, rstd=rstd, eps=eps)
+    stats = NEW if store_stats else None
+    values = FORWARD.allocate(dict(x=x, weight=weight, bias=bias, out=NEW, mean=stats, rstd=stats, eps=eps))
+    if x.numel() > 0:
         plan.run("forward", **values) if plan is not None else _layernorm_fwd(**values)
-    return out, mean, rstd
+    return values["out"], values["mean"], values["rstd"]
 
 
 def layernorm_bwd(x, weight, dy, mean, rstd, has_bias: bool = False, plan: Optional[Plan] = None):
     """Allocate gradients and run the backward: returns (dx, dweight or None,
     dbias in fp32 when ``has_bias``, else None)."""
     dy = dy.contiguous()
-    dx = torch.empty_like(x)
     dw = torch.empty_like(weight) if weight is not None else None
     db = torch.empty(x.shape[-1], device=x.device, dtype=torch.float32) if has_bias else None
+    values = NORM_BACKWARD.allocate(dict(x=x, weight=weight, dy=dy, mean=mean, rstd=rstd, dx=NEW))
     if plan is not None:
         # eps: RMSNorm's only (its N = 1 dx).
-        values = dict(x=x, weight=weight, dy=dy, mean=mean, rstd=rstd, dx=dx, eps=0.0)
-        run_norm_backward(plan.kernel_of("backward"), dw, db, **values)
+        run_norm_backward(plan.kernel_of("backward"), dw, db, **values, eps=0.0)
     else:
-        _layernorm_bwd(x, weight, dy, mean, rstd, dx, dw, db)
-    return dx, dw, db
+        _layernorm_bwd(**values, dw=dw, db=db)
+    return values["dx"], dw, db
 
 
 class _LayerNormFunction(torch.autograd.Function):

@@ -27,7 +27,7 @@ from quack.calls import fastpath
 from quack.compile_only import differentiable_outputs
 from quack.calls.cute_op import cute_op
 from quack.calls.eager import eager_plan
-from quack.calls.launches import Launch, in_order
+from quack.calls.launches import NEW, PER_ROW, Launch, Output, in_order
 from quack.rowwise.norm_backward_grid import NORM_BACKWARD, run_norm_backward
 from quack.calls.plan import Kernel, Plan, Signature, blame, fake_rows_input, fake_tensor, plan_for, signature
 from quack.rowwise.config import MAX_N, backward_config, check_eps, forward_config
@@ -37,8 +37,12 @@ from quack.rowwise.config import MAX_N, backward_config, check_eps, forward_conf
 # This op's eager fast path (quack/calls/fastpath.py).
 _FAST = fastpath.Closures()
 
-# The forward kernel's arguments (its __call__) that are (M, N) rows.
-FORWARD = Launch("quack.families.rmsnorm.kernels:RMSNormForward", frozenset({"x", "residual", "out", "residual_out"}))
+# The forward kernel's launch: the arguments (its __call__'s) that are (M, N)
+# rows, and the outputs it allocates.
+FORWARD = Launch(
+    "quack.families.rmsnorm.kernels:RMSNormForward", frozenset({"x", "residual", "out", "residual_out"}),
+    outputs=(("out", Output("x")), ("residual_out", Output("x")), ("rstd", Output("x", PER_ROW, "float32"))),
+)
 
 
 @jit_cache("rmsnorm")
@@ -199,14 +203,13 @@ def rmsnorm_fwd(x, weight=None, residual=None, eps=1e-6, store_rstd=True, plan: 
     """Allocate outputs and run the forward: returns (y, x + residual or None,
     rstd or None).  ``plan``: the call's (eager); None goes through the
     registered op (torch.compile, or direct use)."""
-    m = math.prod(x.shape[:-1])
-    out = torch.empty_like(x)
-    h = torch.empty_like(x) if residual is not None else None
-    rstd = torch.empty(m, device=x.device, dtype=torch.float32) if store_rstd else None
-    if m > 0:
-        values = dict(x=x, weight=weight, residual=residual, out=out, residual_out=h, rstd=rstd, eps=eps)
+    values = FORWARD.allocate(dict(
+        x=x, weight=weight, residual=residual, out=NEW, residual_out=NEW if residual is not None else None,
+        rstd=NEW if store_rstd else None, eps=eps,
+    ))
+    if x.numel() > 0:
         plan.run("forward", **values) if plan is not None else _rmsnorm_fwd(**values)
-    return out, h, rstd
+    return values["out"], values["residual_out"], values["rstd"]
 
 
 def rmsnorm_bwd(h, weight, dy, rstd, dh_out=None, *, eps: float, plan: Optional[Plan] = None):
@@ -214,14 +217,13 @@ def rmsnorm_bwd(h, weight, dy, rstd, dh_out=None, *, eps: float, plan: Optional[
     ``eps``: the forward's, required (dx at N = 1 is eps * rstd^3)."""
     dy = dy.contiguous()
     dh_out = dh_out.contiguous() if dh_out is not None else None
-    dx = torch.empty_like(h)
     dw = torch.empty_like(weight) if weight is not None else None
+    values = NORM_BACKWARD.allocate(dict(x=h, weight=weight, dy=dy, dh_out=dh_out, rstd=rstd, dx=NEW, eps=eps))
     if plan is not None:
-        values = dict(x=h, weight=weight, dy=dy, dh_out=dh_out, rstd=rstd, dx=dx, eps=eps)
         run_norm_backward(plan.kernel_of("backward"), dw, None, **values)
     else:
-        _rmsnorm_bwd(h, weight, dy, dh_out, rstd, dx, dw, eps)
-    return dx, dw
+        _rmsnorm_bwd(**values, dw=dw)
+    return values["dx"], dw
 
 
 class _RMSNormFunction(torch.autograd.Function):

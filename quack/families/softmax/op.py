@@ -26,7 +26,7 @@ from quack.calls import fastpath
 from quack.compile_only import differentiable_outputs
 from quack.calls.cute_op import cute_op
 from quack.calls.eager import eager_plan
-from quack.calls.launches import Launch, in_order
+from quack.calls.launches import NEW, Launch, Output, in_order
 from quack.calls.plan import Kernel, Plan, Signature, fake_rows_input, plan_for, signature
 from quack.rowwise.config import MAX_N, backward_config, forward_config
 
@@ -35,11 +35,12 @@ from quack.rowwise.config import MAX_N, backward_config, forward_config
 # This op's eager fast path (quack/calls/fastpath.py).
 _FAST = fastpath.Closures()
 
-# The kernels' arguments (their __call__) that are (M, N) rows; the backward
-# realigns its inputs.
-FORWARD = Launch("quack.families.softmax.kernels:SoftmaxForward", frozenset({"x", "out"}))
+# The kernels' launches: the arguments (their __call__'s) that are (M, N)
+# rows, those the backward realigns, and the outputs they allocate.
+FORWARD = Launch("quack.families.softmax.kernels:SoftmaxForward", frozenset({"x", "out"}), outputs=(("out", Output("x")),))
 BACKWARD = Launch(
-    "quack.families.softmax.kernels:SoftmaxBackward", frozenset({"y", "dy", "dx"}), aligned=frozenset({"y", "dy"})
+    "quack.families.softmax.kernels:SoftmaxBackward", frozenset({"y", "dy", "dx"}), aligned=frozenset({"y", "dy"}),
+    outputs=(("dx", Output("y")),),
 )
 
 
@@ -134,19 +135,18 @@ def _validate(x) -> None:
 def softmax_fwd(x: torch.Tensor, plan: Optional[Plan] = None) -> torch.Tensor:
     """Allocate y and run the forward.  ``plan``: the call's (eager); None
     goes through the registered op (torch.compile, direct use)."""
-    out = torch.empty_like(x)
+    values = FORWARD.allocate(dict(x=x, out=NEW))
     if x.numel() > 0:
-        plan.run("forward", x=x, out=out) if plan is not None else _softmax_fwd(x, out)
-    return out
+        plan.run("forward", **values) if plan is not None else _softmax_fwd(**values)
+    return values["out"]
 
 
 def softmax_bwd(y: torch.Tensor, dy: torch.Tensor, plan: Optional[Plan] = None) -> torch.Tensor:
     """Allocate dx and run the backward (dy is made contiguous in y's dtype)."""
-    dy = dy.to(y.dtype).contiguous()
-    dx = torch.empty_like(y)
+    values = BACKWARD.allocate(dict(y=y, dy=dy.to(y.dtype).contiguous(), dx=NEW))
     if y.numel() > 0:
-        plan.run("backward", y=y, dy=dy, dx=dx) if plan is not None else _softmax_bwd(y, dy, dx)
-    return dx
+        plan.run("backward", **values) if plan is not None else _softmax_bwd(**values)
+    return values["dx"]
 
 
 class _SoftmaxFunction(torch.autograd.Function):
