@@ -33,12 +33,13 @@ import torch
 from quack.calls import fastpath
 from quack.calls import torch_interop as ti
 from quack.calls.plan import Plan
-from quack.compile_only import autograd_available, differentiable_outputs
+from quack.calls.eager import eager_plan
+from quack.compile_only import differentiable_outputs
 from quack.families.gemm.autograd import GemmFunction
 from quack.families.gemm.config import resident_clusters
 from quack.families.gemm.operands import call_operands, check_gemm
 from quack.families.gemm.product import product
-from quack.families.gemm.signature import plan_of
+from quack.families.gemm.signature import signature_of
 
 # This op's eager fast path (quack/calls/fastpath.py).
 _FAST = fastpath.Closures()
@@ -91,23 +92,21 @@ def gemm_glu(A: torch.Tensor, B: torch.Tensor, activation: str = "swiglu", out_d
 
 def _call(A, B, out_dtype, cu_seqlens_m, cu_seqlens_k, bias, activation, described) -> torch.Tensor:
     """A checked call: its product, through autograd when it will be
-    differentiated.  ``described``: the fast path's described arguments of
-    the call, to leave a closure for its like."""
-    backward = ti.will_backward(A, B, bias)
-    ops, cu = call_operands(A, B, out_dtype, cu_seqlens_m, cu_seqlens_k, bias, activation, backward)
+    differentiated (``eager_plan`` decides).  ``described``: the fast path's
+    described arguments of the call, to leave a closure for its like."""
+    # (The operands of a call that will be differentiated hold its pre-activation.)
+    ops, cu = call_operands(A, B, out_dtype, cu_seqlens_m, cu_seqlens_k, bias, activation,
+                            ti.will_backward(A, B, bias))
+    plan, backward = eager_plan(lambda backward: signature_of(ops, backward), A, B, bias)
     if backward:
-        plan = plan_of(ops, backward=True)
-        if not autograd_available():
-            # Warm the forward's and the backward's kernels; no graph (compile-only, CPU-only torch).
-            return differentiable_outputs(product(ops, cu, plan), True)
         return GemmFunction.apply(A, B, bias, ops, cu, plan)
-    plan = plan_of(ops)
     out = product(ops, cu, plan)
+    stores_for_backward = plan is not None and plan.signature.backward
     # The closure passes A and B as they come: not for a copy, an M-major A or an empty product.
-    if (described is not None and plan is not None and cu is None and not ops.a_m_major and not ops.empty
-            and ops.a is A and ops.b3.data_ptr() == B.data_ptr()):
+    if (described is not None and plan is not None and not stores_for_backward and cu is None
+            and not ops.a_m_major and not ops.empty and ops.a is A and ops.b3.data_ptr() == B.data_ptr()):
         _FAST.remember(described, lambda: _dense_closure(plan, ops.b3, out))
-    return out
+    return differentiable_outputs(out, stores_for_backward)
 
 
 # The fast path's key spells out_dtype as a number (-1: one the checks refuse).
