@@ -58,6 +58,7 @@ from typing import BinaryIO, Callable, Iterable, Iterator, TypeVar
 
 from .errors import CacheError
 from .files import MAX_OBJECT_BYTES, MAX_SIDECAR_BYTES, ownership_problem, private_folder
+from . import locks
 from .key import CACHE_FORMAT_VERSION
 from .maintenance import FAMILY, KEYHASH, Entry, check, scan
 from .store import Layer, key_lock, writable_problem
@@ -522,21 +523,6 @@ def _staging(root: Path) -> Iterator[Layer]:
             os.close(lock)
 
 
-def _held(lock: Path) -> bool:
-    """Whether a running install holds a staging folder's lock (a missing lock: none does)."""
-    try:
-        fd = os.open(lock, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)
-    return False
-
-
 def remove_stale_staging(root: Path, max_age: float = STALE_STAGING_SECONDS) -> list[Path]:
     """Remove the staging folders of killed installs from layer ``root``: real folders of
     ours named ``.quack-install-*``, older than ``max_age`` seconds, whose lock nobody holds
@@ -548,7 +534,7 @@ def remove_stale_staging(root: Path, max_age: float = STALE_STAGING_SECONDS) -> 
             st = path.lstat()
             if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or now - st.st_mtime < max_age:
                 continue
-            if _held(path / ".lock"):
+            if locks.held(path / ".lock"):
                 continue
         except OSError:
             continue  # unreadable lock: left alone

@@ -123,6 +123,23 @@ def hold(path: Path, timeout: float, prepare: Callable[[], None] = lambda: None)
         _release(fd, path)
 
 
+def held(path: Path) -> bool:
+    """Whether another process holds the lock at ``path``, probed without
+    creating it (a missing lock: nobody does), unlike ``try_hold``: a
+    staging folder's cleanup must not make a lock in a folder it removes."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False
+
+
 @contextlib.contextmanager
 def try_hold(path: Path) -> Iterator[bool]:
     """The lock at ``path`` without waiting: yields False while another holds it.
