@@ -109,13 +109,11 @@ def gpu_stand_in(monkeypatch):
     warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
 
 
-# The module whose ``plan_for`` an eager call asks (the row-wise ops' shared eager step unless named here).
-_PLANNING_MODULES = {"gemm": "quack.families.gemm.signature"}
 
 
 @pytest.mark.parametrize("op, case", list(_cases()))
 def test_compile_only_warms_the_eager_plan(op, case, monkeypatch, gpu_stand_in):
-    op_module = importlib.import_module(_PLANNING_MODULES.get(op, "quack.calls.eager"))
+    op_module = importlib.import_module("quack.calls.eager")  # every op's eager step asks its plan_for
     with compile_only_mode():
         ours, inputs, params, mode = _captured_case(importlib.import_module(f"tests.test_{op}"), case, monkeypatch)
         floats = [k for k, v in inputs.items() if isinstance(v, torch.Tensor) and v.is_floating_point()]
