@@ -77,6 +77,17 @@ def test_bias():
         quack.gemm(_cuda(8, 16), _cuda(16, 8), bias=_cuda(9).as_strided((8,), (1,), 1))
 
 
+def test_a_refused_call_warms_nothing(monkeypatch):
+    # Compile-only mode warms a call's plan: not before the alignment checks refuse the call.
+    from quack.calls.plan import Plan
+
+    warmed = []
+    monkeypatch.setattr(Plan, "warm", lambda plan: warmed.append(plan))
+    with pytest.raises(ValueError, match="4-byte aligned"):
+        quack.gemm(_cuda(8, 16), _cuda(16, 8), bias=_cuda(9).as_strided((8,), (1,), 1))
+    assert warmed == []
+
+
 def test_gated():
     with pytest.raises(ValueError, match="activation must be one of"):
         quack.gemm_glu(_cuda(8, 16), _cuda(16, 16), activation="silu")

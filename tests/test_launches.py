@@ -95,3 +95,16 @@ def test_outputs_are_allocated_where_the_call_asks():
     assert values["rstd"].shape == (6,) and values["rstd"].dtype == torch.float32
     fixed = Output("x", (2,), "float32").allocate({"x": x})
     assert fixed.shape == (2,) and Output("x").allocate({"x": x}).shape == x.shape
+
+
+def test_a_registered_backward_names_its_line_without_recording(tmp_path, monkeypatch):
+    from quack.calls import recording
+    from quack.calls.plan import entry_line, kernel_for
+    from quack.families.rmsnorm import op as rmsnorm
+
+    record = tmp_path / "calls.jsonl"
+    monkeypatch.setenv(recording.RECORD_ENV, str(record))
+    sig = rmsnorm.RMSNormCall("bfloat16", "float32", False, 4096, 8, True)
+    kernel = kernel_for(sig, "backward")
+    assert kernel.origin == entry_line(sig) and kernel.launch.kernel_class.endswith(":NormBackward")
+    assert not record.exists()  # planned calls are recorded; a backward's kernel is not a call

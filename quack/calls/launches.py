@@ -110,14 +110,17 @@ class Launch:
     def arguments(self, values: dict[str, Any]) -> tuple[list[Any], bool]:
         """The kernel's arguments for a call's ``values`` (by name): realigned,
         rows viewed as (M, N), torch's current stream (on the first
-        argument's device) as ``stream``; and whether there are zero rows."""
+        tensor's device) as ``stream``; and whether there are zero rows."""
         from quack.calls import torch_interop as ti
 
         names = self.parameters
         unknown = set(values) - set(names)
         if unknown:
             raise TypeError(f"{self.kernel_class} takes no argument {sorted(unknown)}")
-        device = values[names[0]].device
+        tensors = [values[name] for name in names if hasattr(values.get(name), "device")]
+        if not tensors:
+            raise TypeError(f"{self.kernel_class} is given no tensor")
+        device = tensors[0].device
         first = next((values[name] for name in names if name in self.rows), None)
         n = first.shape[-1] if first is not None else 0
         args = []

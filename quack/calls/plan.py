@@ -50,8 +50,7 @@ CLUSTER_ARCHS = (
 @dataclasses.dataclass(frozen=True)
 class Kernel:
     """One compiled object, a ``jit_cache`` compile function and its
-    arguments, and how a call launches it (``run``; the GEMM's op launches
-    its kernels itself: no ``launch``)."""
+    arguments, and how a call launches it (``launch``, ``run``)."""
 
     compile: Callable
     args: tuple
@@ -173,6 +172,18 @@ def plan_for(sig: Signature) -> Plan:
     if recording.RECORD_ENV in os.environ:
         recording.record(sig, entry_line)
     return plan
+
+
+def kernel_for(sig: Signature, role: str) -> Kernel:
+    """``sig``'s kernel for ``role`` without planning the call (neither kept
+    nor recorded): for a registered backward op, whose call's forward was
+    planned already.  Like a plan's, it names ``sig``'s manifest line on a
+    strict-mode miss."""
+    check_arch(type(sig))
+    for name, kernel in sig.kernels():
+        if name == role:
+            return dataclasses.replace(kernel, origin=entry_line(sig))
+    raise KeyError(f"{sig.OP} signature has no {role!r} kernel")
 
 
 def entry_line(sig: Signature) -> str:

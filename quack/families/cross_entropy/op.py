@@ -40,7 +40,8 @@ from quack.compile_only import differentiable_outputs, is_compile_only
 from quack.calls.cute_op import cute_op
 from quack.calls.eager import eager_plan
 from quack.calls.launches import NEW, PER_ROW, Launch, Output, in_order
-from quack.calls.plan import Kernel, Plan, Signature, blame, fake_rows_input, fake_tensor, plan_for, signature
+from quack.calls.plan import (Kernel, Plan, Signature, blame, fake_rows_input, fake_tensor, kernel_for, plan_for,
+                              signature)
 from quack.rowwise.config import MAX_N, RowConfig, forward_config
 
 REDUCTIONS = ("mean", "sum", "none")
@@ -76,8 +77,9 @@ def backward_tiles(n: int, vec: int) -> RowConfig:
 _FAST = fastpath.Closures()
 
 # The kernels' launches: the arguments (their __call__'s) that are (M, N)
-# rows, and the outputs they allocate (a reduction's result: one value of the
-# logits' dtype; its fp32 (sum, count) for a backward).
+# rows, and the outputs they allocate: per row, the loss and lse in fp32; a
+# reduction's result, one value of the logits' dtype, and its fp32 (sum,
+# count) for a backward.
 ROW_VALUES = Output("logits", PER_ROW, "float32")
 FORWARD = Launch(
     "quack.families.cross_entropy.kernels:CrossEntropyForward", frozenset({"logits"}),
@@ -237,11 +239,10 @@ def _cross_entropy_bwd(
     """Launch the backward kernel: dloss is the (M,) fp32 gradient of each
     row's loss (the object from the tensors themselves)."""
     n = ti.row_length(logits)
-    kernel = Kernel(
-        compile_cross_entropy_bwd,
-        (ti.dtype_name(logits.dtype), ti.dtype_name(target.dtype), n, ti.vector_width(n, logits)), BACKWARD,
-    )
-    kernel.run(logits=logits, target=target, lse=lse, dloss=dloss, dx=dx, ignore_index=ignore_index)
+    # The call as the backward sees it (its reduction was the forward's: it does not change this object).
+    call = CrossEntropyCall(ti.dtype_name(logits.dtype), ti.dtype_name(target.dtype), n, ti.vector_width(n, logits),
+                            "none", True)
+    kernel_for(call, "backward").run(logits=logits, target=target, lse=lse, dloss=dloss, dx=dx, ignore_index=ignore_index)
 
 
 def _validate(logits, target, ignore_index, reduction) -> None:
@@ -338,7 +339,7 @@ def _capturing(device: torch.device) -> bool:
         return torch.cuda.is_current_stream_capturing()
 
 
-def cross_entropy_bwd(logits, target, lse, dloss_rows, ignore_index: int = -100, plan: Optional[Plan] = None):
+def cross_entropy_bwd(logits, target, lse, dloss_rows, ignore_index: int = -100, *, plan: Optional[Plan] = None):
     """Allocate dlogits and run the backward op; ``dloss_rows`` is the (M,)
     gradient of each row's loss."""
     values = BACKWARD.allocate(dict(
@@ -381,7 +382,7 @@ class _CrossEntropyFunction(torch.autograd.Function):
     def backward(ctx, dout):
         logits, target, lse, count = ctx.saved_tensors
         g = _row_grads(dout, lse.shape[0], ctx.reduction, count)
-        dx = cross_entropy_bwd(logits, target, lse, g, ctx.ignore_index, ctx.plan)
+        dx = cross_entropy_bwd(logits, target, lse, g, ctx.ignore_index, plan=ctx.plan)
         return dx, None, None, None, None
 
 

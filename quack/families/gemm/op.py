@@ -38,7 +38,7 @@ from quack.compile_only import differentiable_outputs
 from quack.families.gemm.autograd import GemmFunction
 from quack.families.gemm.config import resident_clusters
 from quack.families.gemm.operands import call_operands, check_gemm
-from quack.families.gemm.product import product
+from quack.families.gemm.product import check_alignment, product
 from quack.families.gemm.signature import signature_of
 
 # This op's eager fast path (quack/calls/fastpath.py).
@@ -97,6 +97,8 @@ def _call(A, B, out_dtype, cu_seqlens_m, cu_seqlens_k, bias, activation, describ
     # (The operands of a call that will be differentiated hold its pre-activation.)
     ops, cu = call_operands(A, B, out_dtype, cu_seqlens_m, cu_seqlens_k, bias, activation,
                             ti.will_backward(A, B, bias))
+    if not ops.empty and not torch.compiler.is_compiling():
+        check_alignment(ops)  # before eager_plan warms anything in compile-only mode
     plan, backward = eager_plan(lambda backward: signature_of(ops, backward), A, B, bias)
     if backward:
         return GemmFunction.apply(A, B, bias, ops, cu, plan)

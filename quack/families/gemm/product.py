@@ -55,13 +55,20 @@ def _empty_product(ops: Operands) -> torch.Tensor:
     return z
 
 
-def _run(plan: Plan, ops: Operands, cu_seqlens) -> None:
-    """Check TMA's alignment rules on the tensors the kernel gets, then warm
-    (compile-only) or launch the plan's object for this size."""
+def check_alignment(ops: Operands) -> None:
+    """TMA's alignment rules on the tensors the kernel gets.  On real (or
+    compile-only fake) tensors only: not while torch.compile traces, where
+    the registered op checks them when the graph runs."""
     check_tma("A", ops.a, 0 if ops.a_m_major else -1)
     check_tma("B", ops.b3)
-    if ops.bias is not None and ti.address(ops.bias) % 4:  # here, not in gemm(): torch.compile traces that
+    if ops.bias is not None and ti.address(ops.bias) % 4:
         raise ValueError("bias must start at a 4-byte aligned address")
+
+
+def _run(plan: Plan, ops: Operands, cu_seqlens) -> None:
+    """Check TMA's alignment rules, then warm (compile-only) or launch the
+    plan's object for this size."""
+    check_alignment(ops)
     if is_compile_only():
         plan.warm()
         return

@@ -30,7 +30,8 @@ from quack.calls.cute_op import cute_op
 from quack.calls.eager import eager_plan
 from quack.calls.launches import NEW, PER_ROW, Launch, Output, in_order
 from quack.rowwise.norm_backward_grid import NORM_BACKWARD, run_norm_backward
-from quack.calls.plan import Kernel, Plan, Signature, blame, fake_rows_input, fake_tensor, plan_for, signature
+from quack.calls.plan import (Kernel, Plan, Signature, blame, fake_rows_input, fake_tensor, kernel_for, plan_for,
+                              signature)
 from quack.rowwise.config import MAX_N, backward_config, check_eps, forward_config
 
 
@@ -133,7 +134,10 @@ class LayerNormCall(Signature):
         )
         if not self.backward:
             return (("forward", forward),)
-        backward = backward_kernel(self.dtype, self.weight_dtype, self.bias_dtype is not None, self.n)
+        # The backward realigns its inputs (its launch's ``aligned``) and runs at full vector width;
+        # it sums db whenever there is a bias (the op drops it unless asked).
+        args = (self.dtype, self.weight_dtype, self.bias_dtype is not None, self.n, ti.full_width(self.n, self.dtype))
+        backward = Kernel(compile_layernorm_bwd, args, NORM_BACKWARD)
         return (("forward", forward), ("backward", backward))
 
     def rebuild(self) -> "LayerNormCall":
@@ -156,14 +160,6 @@ def call_signature(x, weight, bias, backward: bool) -> LayerNormCall:
     return LayerNormCall(
         ti.dtype_name(x.dtype), _name(weight), _name(bias), n, ti.vector_width(n, x, weight, bias), backward
     )
-
-
-def backward_kernel(dtype: str, weight_dtype: Optional[str], has_bias: bool, n: int) -> Kernel:
-    """The backward's object, for the signature and the registered op alike
-    (the forward's vector width does not matter: the backward realigns its
-    inputs, ``ti.aligned``, and runs at full width).  It sums db whenever
-    there is a bias (the op drops it unless asked)."""
-    return Kernel(compile_layernorm_bwd, (dtype, weight_dtype, has_bias, n, ti.full_width(n, dtype)), NORM_BACKWARD)
 
 
 def _name(t: Optional[torch.Tensor]) -> Optional[str]:
@@ -201,7 +197,11 @@ def _layernorm_bwd(
 ) -> None:
     """Launch the backward kernel (its object from the tensors themselves; db
     given exactly when the call had a bias)."""
-    kernel = backward_kernel(ti.dtype_name(x.dtype), _name(weight), db is not None, ti.row_length(x))
+    dtype, n = ti.dtype_name(x.dtype), ti.row_length(x)
+    # The call as the backward sees it (the forward's vector width and the bias's dtype do not
+    # change its object).
+    call = LayerNormCall(dtype, _name(weight), dtype if db is not None else None, n, ti.full_width(n, dtype), True)
+    kernel = kernel_for(call, "backward")
     # eps: RMSNorm's only (its N = 1 dx).
     run_norm_backward(kernel, dw, db, x=x, weight=weight, dy=dy, mean=mean, rstd=rstd, dx=dx, eps=0.0)
 

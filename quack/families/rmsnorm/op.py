@@ -29,7 +29,8 @@ from quack.calls.cute_op import cute_op
 from quack.calls.eager import eager_plan
 from quack.calls.launches import NEW, PER_ROW, Launch, Output, in_order
 from quack.rowwise.norm_backward_grid import NORM_BACKWARD, run_norm_backward
-from quack.calls.plan import Kernel, Plan, Signature, blame, fake_rows_input, fake_tensor, plan_for, signature
+from quack.calls.plan import (Kernel, Plan, Signature, blame, fake_rows_input, fake_tensor, kernel_for, plan_for,
+                              signature)
 from quack.rowwise.config import MAX_N, backward_config, check_eps, forward_config
 
 
@@ -120,7 +121,10 @@ class RMSNormCall(Signature):
         )
         if not self.backward:
             return (("forward", forward),)
-        return (("forward", forward), ("backward", backward_kernel(self.dtype, self.weight_dtype, self.residual, self.n)))
+        # The backward realigns its inputs (its launch's ``aligned``) and runs at full vector width.
+        full = ti.full_width(self.n, self.dtype)
+        backward = Kernel(compile_rmsnorm_bwd, (self.dtype, self.weight_dtype, self.residual, self.n, full), NORM_BACKWARD)
+        return (("forward", forward), ("backward", backward))
 
     def rebuild(self) -> "RMSNormCall":
         """The op's checks and signature of a call on one row of N (``plan.from_entry``):
@@ -139,13 +143,6 @@ def call_signature(x, weight, residual, backward: bool) -> RMSNormCall:
     n = ti.row_length(x)
     vec = ti.vector_width(n, x, weight, residual)
     return RMSNormCall(ti.dtype_name(x.dtype), _name(weight), residual is not None, n, vec, backward)
-
-
-def backward_kernel(dtype: str, weight_dtype: Optional[str], has_dh_out: bool, n: int) -> Kernel:
-    """The backward's object, for the signature and the registered op alike
-    (the forward's vector width does not matter: the backward realigns its
-    inputs, ``ti.aligned``, and runs at full width)."""
-    return Kernel(compile_rmsnorm_bwd, (dtype, weight_dtype, has_dh_out, n, ti.full_width(n, dtype)), NORM_BACKWARD)
 
 
 def _name(t: Optional[torch.Tensor]) -> Optional[str]:
@@ -182,7 +179,9 @@ def _rmsnorm_bwd(
     eps: float,
 ) -> None:
     """Launch the backward kernel (its object from the tensors themselves)."""
-    kernel = backward_kernel(ti.dtype_name(x.dtype), _name(weight), dh_out is not None, ti.row_length(x))
+    dtype, n = ti.dtype_name(x.dtype), ti.row_length(x)
+    # The call as the backward sees it (the forward's vector width does not change its object).
+    kernel = kernel_for(RMSNormCall(dtype, _name(weight), dh_out is not None, n, ti.full_width(n, dtype), True), "backward")
     run_norm_backward(kernel, dw, None, x=x, weight=weight, dy=dy, dh_out=dh_out, rstd=rstd, dx=dx, eps=eps)
 
 

@@ -27,7 +27,7 @@ from quack.compile_only import differentiable_outputs
 from quack.calls.cute_op import cute_op
 from quack.calls.eager import eager_plan
 from quack.calls.launches import NEW, Launch, Output, in_order
-from quack.calls.plan import Kernel, Plan, Signature, fake_rows_input, plan_for, signature
+from quack.calls.plan import Kernel, Plan, Signature, fake_rows_input, kernel_for, plan_for, signature
 from quack.rowwise.config import MAX_N, backward_config, forward_config
 
 
@@ -93,7 +93,9 @@ class SoftmaxCall(Signature):
         forward = Kernel(compile_softmax_fwd, (self.dtype, self.n, self.vec), FORWARD)
         if not self.backward:
             return (("forward", forward),)
-        return (("forward", forward), ("backward", backward_kernel(self.dtype, self.n)))
+        # The backward realigns its inputs (its launch's ``aligned``) and runs at full vector width.
+        backward = Kernel(compile_softmax_bwd, (self.dtype, self.n, ti.full_width(self.n, self.dtype)), BACKWARD)
+        return (("forward", forward), ("backward", backward))
 
     def rebuild(self) -> "SoftmaxCall":
         """The op's checks and signature of a call on one row of N (``plan.from_entry``):
@@ -108,12 +110,6 @@ def call_signature(x, backward: bool) -> SoftmaxCall:
     return SoftmaxCall(ti.dtype_name(x.dtype), n, ti.vector_width(n, x), backward)
 
 
-def backward_kernel(dtype: str, n: int) -> Kernel:
-    """The backward's object, for the signature and the registered op alike
-    (it realigns its inputs and runs at full vector width)."""
-    return Kernel(compile_softmax_bwd, (dtype, n, ti.full_width(n, dtype)), BACKWARD)
-
-
 # The registered ops, which torch.compile's graphs call: each takes its
 # kernel from its own (real) tensors.
 @cute_op("quack::softmax_fwd", mutates_args=("out",))
@@ -125,7 +121,9 @@ def _softmax_fwd(x: torch.Tensor, out: torch.Tensor) -> None:
 @cute_op("quack::softmax_bwd", mutates_args=("dx",))
 def _softmax_bwd(y: torch.Tensor, dy: torch.Tensor, dx: torch.Tensor) -> None:
     """Launch the backward kernel (its object from the tensors themselves)."""
-    backward_kernel(ti.dtype_name(y.dtype), ti.row_length(y)).run(y=y, dy=dy, dx=dx)
+    dtype, n = ti.dtype_name(y.dtype), ti.row_length(y)
+    # The call as the backward sees it (the forward's vector width does not change its object).
+    kernel_for(SoftmaxCall(dtype, n, ti.full_width(n, dtype), True), "backward").run(y=y, dy=dy, dx=dx)
 
 
 def _validate(x) -> None:
