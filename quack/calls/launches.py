@@ -17,8 +17,8 @@ import ast
 import dataclasses
 import functools
 import importlib.util
-import pathlib
 import math
+import pathlib
 from typing import Any, Optional, Union
 
 # The one argument a call never supplies: torch's current stream, read at launch.
@@ -69,14 +69,23 @@ def parameters(kernel_class: str) -> tuple[str, ...]:
     raise LookupError(f"module {module} defines no class {name!r}")
 
 
+@functools.lru_cache(maxsize=None)
+def _names(kernel_class: str) -> frozenset[str]:
+    return frozenset(parameters(kernel_class))
+
+
+def _check_names(kernel_class: str, values: dict[str, Any]) -> None:
+    """TypeError for a value no parameter of ``kernel_class`` takes."""
+    if not values.keys() <= _names(kernel_class):
+        raise TypeError(f"{kernel_class} takes no argument {sorted(values.keys() - _names(kernel_class))}")
+
+
 def in_order(kernel_class: type, values: dict[str, Any]) -> list[Any]:
     """``values`` (by parameter name; absent ones None) in the order of
     ``kernel_class.__call__``: what a compile function hands ``cute.compile``."""
-    names = parameters(f"{kernel_class.__module__}:{kernel_class.__qualname__}")
-    unknown = set(values) - set(names)
-    if unknown:
-        raise TypeError(f"{kernel_class.__qualname__} takes no argument {sorted(unknown)}")
-    return [values.get(name) for name in names]
+    name = f"{kernel_class.__module__}:{kernel_class.__qualname__}"
+    _check_names(name, values)
+    return [values.get(parameter) for parameter in parameters(name)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,13 +123,10 @@ class Launch:
         from quack.calls import torch_interop as ti
 
         names = self.parameters
-        unknown = set(values) - set(names)
-        if unknown:
-            raise TypeError(f"{self.kernel_class} takes no argument {sorted(unknown)}")
-        tensors = [values[name] for name in names if hasattr(values.get(name), "device")]
-        if not tensors:
+        _check_names(self.kernel_class, values)
+        device = next((v.device for v in map(values.get, names) if hasattr(v, "device")), None)
+        if device is None:
             raise TypeError(f"{self.kernel_class} is given no tensor")
-        device = tensors[0].device
         first = next((values[name] for name in names if name in self.rows), None)
         n = first.shape[-1] if first is not None else 0
         args = []
