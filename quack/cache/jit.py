@@ -31,14 +31,14 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from . import maintenance, native, stats
 from .config import CacheConfig, read_config
 from .errors import CacheError, CacheMissError
 from .files import UnsafeFile
 from quack.launch.handle import KernelHandle, _noop_kernel
-from .key import function_prefix, key_hash, object_key
+from .key import canonical_json, function_prefix, key_hash, object_key
 from quack.launch.launcher import FastLauncher
 from .mode import compile_only_active
 from .source_hash import record_imported
@@ -67,6 +67,19 @@ _LAYER_BYTES: dict[Path, int] = {}
 # launch must not pay that on every call.  The knobs (QUACK_ARCH, layers) are
 # read when a key is first resolved in a process; clear() forgets this map.
 _RECENT: dict[tuple, KernelHandle] = {}
+# While ``listing()`` runs: the objects compile-only requests asked for, by
+# (function, canonical JSON of the arguments), instead of compiling them.
+_LISTED: dict[tuple[str, str], "ListedObject"] | None = None
+
+
+@dataclass(frozen=True)
+class ListedObject:
+    """One object a compile-only request asked for under ``listing()``:
+    the compile function (module.qualname) and its bound arguments, as the key holds them."""
+
+    family: str
+    function: str
+    args: dict[str, Any]
 
 
 @dataclass(frozen=True)
@@ -182,8 +195,32 @@ def _request(family: str, fn: Callable[..., Any], bound: inspect.BoundArguments)
     )
 
 
+@contextlib.contextmanager
+def listing() -> Iterator[dict[tuple[str, str], ListedObject]]:
+    """Within the block, compile-only requests neither look up nor compile:
+    each object asked for is added to the dict yielded (the kernel lists'
+    enumerate pass: which objects a run needs, in seconds)."""
+    global _LISTED
+    with _LOCK:
+        if _LISTED is not None:
+            raise RuntimeError("listing() is already active")
+        _LISTED = listed = {}
+    try:
+        yield listed
+    finally:
+        with _LOCK:
+            _LISTED = None
+
+
 def _ensure_exported(req: Request) -> Callable[..., Any]:
-    """Compile-only: make sure a valid entry exists in some layer; never load."""
+    """Compile-only: make sure a valid entry exists in some layer; never load
+    (under ``listing()``: only note the request)."""
+    listed = _LISTED
+    if listed is not None:
+        obj = ListedObject(req.family, req.function, req.key["args"])
+        with _LOCK:
+            listed.setdefault((obj.function, canonical_json(obj.args)), obj)
+        return _noop_kernel
     marker = (req.config.writable_dir, req.keyhash)
     if marker in _ENSURED:
         stats.record_hit("memory")
