@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import hashlib
+import importlib
 import json
 import logging
 import os
@@ -31,14 +33,13 @@ import re
 import shutil
 import sys
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 from quack.cache import maintenance
 from quack.cache.errors import CacheError
-from quack.cache.files import MAX_OBJECT_BYTES, read_bounded
 from quack.cache.stats import stats
+from quack.cache.folders import MANIFEST, write_manifest
 from quack.cache.store import Layer, ensure_layer_dir, family_folder
 
 if TYPE_CHECKING:
@@ -46,17 +47,67 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("quack.warm")
 
-MANIFEST = "manifest.json"
 # A family folder's own files: entries, key locks beside them, and (hidden) the
 # cache's export temporaries and folders it moved aside.
 _FAMILY_FILE = re.compile(rf"{maintenance.KEYHASH.pattern}\.(o|json|lock)|\..*")
+
+
+@dataclasses.dataclass(frozen=True)
+class Unit:
+    """One object to build: a family's compile function and its static arguments."""
+
+    family: str
+    function: str  # module.qualname of the jit_cache compile function
+    args: str  # canonical JSON of the bound arguments
+
+    @property
+    def text(self) -> str:
+        """The unit as one canonical JSON line (an action's argument)."""
+        return json.dumps({"family": self.family, "function": self.function, "args": json.loads(self.args)},
+                          sort_keys=True, separators=(",", ":"))
+
+    @property
+    def id(self) -> str:
+        """A name that depends on the unit alone: its action's output folder."""
+        return hashlib.sha256(self.text.encode()).hexdigest()[:16]
+
+    @classmethod
+    def from_text(cls, text: str) -> "Unit":
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError:
+            data = None
+        if not isinstance(data, dict) or set(data) != {"family", "function", "args"} or not isinstance(data["args"], dict):
+            raise ValueError(f"not a kernel unit: {text!r}")
+        return cls(data["family"], data["function"], json.dumps(data["args"], sort_keys=True, separators=(",", ":")))
+
+
+def unit_of(listed) -> Unit:
+    """The unit of a ``jit.ListedObject``."""
+    return Unit(listed.family, listed.function, json.dumps(listed.args, sort_keys=True, separators=(",", ":")))
+
+
+def _as_call_value(value: Any) -> Any:
+    """A JSON value as the compile function was called with it (lists were tuples)."""
+    return tuple(_as_call_value(v) for v in value) if isinstance(value, list) else value
+
+
+def compile_unit(unit: Unit) -> None:
+    """Export ``unit``'s object into the writable layer (QUACK_CACHE_DIR), in compile-only mode."""
+    from quack.compile_only import compile_only_mode
+
+    module, _, name = unit.function.rpartition(".")
+    compile_function = getattr(importlib.import_module(module), name)
+    args = {key: _as_call_value(value) for key, value in json.loads(unit.args).items()}
+    with compile_only_mode():
+        compile_function(**args)
 
 
 class OutputFolderError(CacheError):
     """The folder to warm is not one this module may write into."""
 
 
-@dataclass
+@dataclasses.dataclass
 class WarmResult:
     """What a warm run left in its folder."""
 
@@ -152,6 +203,13 @@ def warm_calls(calls: Sequence[tuple[str, Signature]]) -> None:
             plan.plan_for(sig).warm()
 
 
+def warm_units(units: Sequence[Unit]) -> None:
+    """Export each unit's object, in compile-only mode."""
+    for unit in units:
+        log.info("unit %s", unit.text)
+        compile_unit(unit)
+
+
 def warm_tests(test_files: Sequence[str], rootdir: Path) -> None:
     """``pytest --compile-only`` over ``test_files``, in this process."""
     import pytest
@@ -171,10 +229,13 @@ def warm(
     manifests: Sequence[str | Path] = (),
     families: Sequence[str] = (),
     tests: Sequence[str] = (),
+    units: Sequence[str] = (),
     rootdir: Path | None = None,
     arch: str | None = None,
 ) -> WarmResult:
-    """Warm ``out`` from test files (run under ``rootdir``) and manifests; see the module docstring.
+    """Warm ``out`` from test files (run under ``rootdir``), manifests and
+    units (objects by compile function and arguments: ``kernel_lists.Unit``
+    texts, one Bazel action each); see the module docstring.
 
     Raises ``OutputFolderError`` for a folder it may not write into and
     ``manifest.ManifestError`` for a bad manifest, both before anything runs.
@@ -182,6 +243,7 @@ def warm(
     out = Path(out).resolve()
     check_output_folder(out)
     calls = read_manifests(manifests, set(families))
+    units = [Unit.from_text(text) for text in units]  # a bad one is refused before anything runs
     layer = Layer(out, str(out), True)
     ensure_layer_dir(layer)  # created private; one others can write is refused (CacheError)
     before = stats()["compile_seconds"]
@@ -198,6 +260,7 @@ def warm(
             if tests:
                 warm_tests(tests, rootdir or Path.cwd())
             warm_calls(calls)
+            warm_units(units)
         exported = _copy_entries(Layer(Path(staging), "staging", False), layer)
     objects = write_manifest(out)
     return WarmResult(objects, exported, len(calls), stats()["compile_seconds"] - before)
@@ -232,36 +295,6 @@ def _copy_entries(staging: Layer, out: Layer) -> int:
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return len(entries)
-
-
-def write_manifest(out: Path) -> list[dict]:
-    """Write ``out/manifest.json`` listing every entry that verifies, sorted by
-    family and key (a bad one is left in place, unlisted, with a warning);
-    returns the listed entries."""
-    objects = []
-    for entry in maintenance.scan(Layer(out, str(out), False), read_sidecars=False):
-        problem = maintenance.check(entry)
-        if problem:
-            log.warning("%s/%s is not listed in %s: %s", out, entry.name, MANIFEST, problem)
-            continue
-        data = read_bounded(entry.object, MAX_OBJECT_BYTES)
-        objects.append({
-            "key": entry.keyhash,
-            "family": entry.family,
-            "file": f"{entry.family}/{entry.keyhash}.o",
-            "sha256": hashlib.sha256(data).hexdigest(),
-        })
-    objects.sort(key=lambda o: (o["family"], o["key"]))
-    text = json.dumps({"objects": objects}, indent=1, sort_keys=True) + "\n"
-    fd, tmp = tempfile.mkstemp(prefix=f".{MANIFEST}.", dir=out)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, out / MANIFEST)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return objects
 
 
 def summary(result: WarmResult, families: Sequence[str]) -> str:

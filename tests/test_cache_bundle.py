@@ -381,3 +381,34 @@ def test_a_full_disk_during_the_install_installs_nothing(fake):
                 installed += 1
             assert not list(into.glob(".quack-install-*")), inodes
     assert installed and max(rolled_back) >= 1, (installed, rolled_back)
+
+
+def test_merge_writes_the_union_with_the_listing_a_warm_run_writes(fake, capsys):
+    from quack.cache.folders import write_manifest
+
+    a, b, whole = fake.tmp / "a", fake.tmp / "b", fake.tmp / "whole"
+    _fill(fake, a, [1, 2])
+    _fill(fake, b, [2, 3])
+    _fill(fake, whole, [1, 2, 3])
+    write_manifest(whole)
+    merged = fake.tmp / "merged"
+    assert cli.main(["merge", str(a), str(b), "--into", str(merged)]) == 0
+    assert "3 entries from 2 folders" in capsys.readouterr().out
+    files = lambda root: {str(p.relative_to(root)): p.read_bytes() for p in root.rglob("*") if p.is_file()}  # noqa: E731
+    assert files(merged) == {name: data for name, data in files(whole).items() if not name.endswith(".lock")}
+
+
+def test_merge_refuses_differing_objects_of_one_key_and_a_folder_in_use(fake, capsys):
+    a, b = fake.tmp / "a", fake.tmp / "b"
+    _fill(fake, a, [1])
+    _fill(fake, b, [1])
+    (obj,) = (b / FAMILY).glob("*.o")
+    obj.write_bytes(obj.read_bytes() + b"\0")
+    assert cli.main(["merge", str(a), str(b), "--into", str(fake.tmp / "m")]) == 1
+    assert "bad entries" in capsys.readouterr().err and not (fake.tmp / "m").exists()
+    used = fake.tmp / "used"
+    used.mkdir()
+    (used / "notes.txt").write_text("mine")
+    assert cli.main(["merge", str(a), "--into", str(used)]) == 1
+    assert "not empty" in capsys.readouterr().err
+    assert [p.name for p in used.iterdir()] == ["notes.txt"]

@@ -148,3 +148,72 @@ def test_the_tools_help_shows_its_example_on_two_lines(tmp_path):
     start = next(i for i, line in enumerate(lines) if "python tools/warm_cache.py" in line)
     assert lines[start].rstrip().endswith("--family=rmsnorm \\")
     assert lines[start + 1].strip().startswith("--tests=tests/test_rmsnorm.py")
+
+
+def _unit_of_forward(call: SoftmaxCall):
+    """The unit (compile function and arguments) of ``call``'s forward kernel, as the kernel lists name it."""
+    from quack.cache import jit
+    from quack.calls import plan
+    from quack.compile_only import compile_only_mode
+    from quack.warm import unit_of
+
+    with jit.listing() as asked, compile_only_mode():
+        plan.plan_for(call).warm()
+    (forward,) = [obj for obj in asked.values() if obj.function.endswith("compile_softmax_fwd")]
+    return unit_of(forward)
+
+
+def test_a_unit_warms_exactly_its_object(tmp_path, calls):
+    unit = _unit_of_forward(SoftmaxCall("float32", 7, 1, False))
+    whole = tmp_path / "whole"
+    assert _quack_warm(tmp_path, calls, "--out", whole).returncode == 0
+    params = tmp_path / "params"
+    params.write_text(f"--out={tmp_path / 'unit'}\n--unit={unit.text}\n")  # Bazel's multiline params file
+    tool = _tool(tmp_path, f"@{params}")
+    assert tool.returncode == 0, tool.stderr
+    (obj,) = (tmp_path / "unit/softmax").glob("*.o")
+    assert obj.read_bytes() == (whole / "softmax" / obj.name).read_bytes()
+    bad = _tool(tmp_path, f"--out={tmp_path / 'bad'}", "--unit={\"family\": \"softmax\"}")
+    assert bad.returncode != 0 and "not a kernel unit" in bad.stderr
+    assert not (tmp_path / "bad").exists()
+
+
+def test_the_persistent_worker_answers_each_request_from_a_fresh_child(tmp_path):
+    unit = _unit_of_forward(SoftmaxCall("float32", 7, 1, False))
+    worker = subprocess.Popen([sys.executable, str(REPO / "tools/warm_cache.py"), "--persistent_worker"],
+                              env=_env(tmp_path), cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              stderr=subprocess.DEVNULL, text=True)
+    try:
+        answers = []
+        for request_id, arguments in enumerate([[f"--out={tmp_path / 'a'}", f"--unit={unit.text}"],
+                                                [f"--out={tmp_path / 'b'}", "--unit=not json"],
+                                                [f"--out={tmp_path / 'c'}", f"--unit={unit.text}"]]):
+            worker.stdin.write(json.dumps({"arguments": arguments, "requestId": request_id, "extra": 1}) + "\n")
+            worker.stdin.flush()
+            answers.append(json.loads(worker.stdout.readline()))
+        worker.stdin.close()
+        assert worker.wait(timeout=60) == 0
+    finally:
+        worker.kill()
+    assert [(a["requestId"], a["exitCode"]) for a in answers] == [(0, 0), (1, 2), (2, 0)]
+    assert "not a kernel unit" in answers[1]["output"]
+    # A failed request leaves the worker as it was: the third compiles the first's object again.
+    assert (tmp_path / "a/manifest.json").read_bytes() == (tmp_path / "c/manifest.json").read_bytes()
+    assert not (tmp_path / "b").exists()
+
+
+def test_listing_notes_objects_without_compiling_or_writing(tmp_path, monkeypatch):
+    from quack.cache import jit, stats
+    from quack.calls import plan
+    from quack.compile_only import compile_only_mode
+
+    monkeypatch.setenv("QUACK_CACHE_DIR", str(tmp_path / "layer"))
+    before = stats()["compiles"]
+    with jit.listing() as asked, compile_only_mode():
+        plan.plan_for(SoftmaxCall("float32", 9, 1, True)).warm()
+        with pytest.raises(RuntimeError, match="already active"):
+            with jit.listing():
+                pass
+    assert sorted(obj.function.rpartition(".")[2] for obj in asked.values()) == [
+        "compile_softmax_bwd", "compile_softmax_fwd"]
+    assert stats()["compiles"] == before and not (tmp_path / "layer").exists()

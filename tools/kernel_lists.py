@@ -5,7 +5,7 @@ r"""The committed kernel lists: write them, or check that they are current.
 
 For every kernel family (a package under quack/families/) and every selection
 of the correctness matrices that Bazel builds (ci, smoke), one enumerate pass
-(``python -m quack.kernel_lists enumerate``: the family's tests under
+(``python -m quack.kernel_lists``: the family's tests under
 ``pytest --compile-only`` and its calls of the manifests in tools/configs/,
 planned without compiling) gives the call signatures and the objects (units)
 they need. They are written as:
@@ -54,7 +54,7 @@ def enumerate_one(root: Path, family: str, selection: str) -> dict:
     (a test module's cases are fixed when pytest imports it)."""
     with tempfile.TemporaryDirectory(prefix="quack-lists-") as tmp:
         out = Path(tmp) / "found.json"
-        command = [sys.executable, "-m", "quack.kernel_lists", "enumerate", "--family", family,
+        command = [sys.executable, "-m", "quack.kernel_lists", "--family", family,
                    "--selection", selection, "--tests", f"tests/test_{family}.py",
                    "--configs", *manifests(root), "--rootdir", str(root), "--out", str(out)]
         env = dict(os.environ, PYTHONPATH=str(root), PYTHONHASHSEED="0", QUACK_CACHE_DIR=tmp)
@@ -67,7 +67,7 @@ def enumerate_one(root: Path, family: str, selection: str) -> dict:
 def render(found: dict[tuple[str, str], dict]) -> dict[str, str]:
     """The lists' files (path under tools/kernels/ -> text) from each (family, selection)'s pass."""
     from quack.calls.recording import HEADER
-    from quack.kernel_lists import Unit
+    from quack.warm import Unit
 
     files = {}
     units: dict[str, dict[str, str]] = {}

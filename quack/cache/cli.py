@@ -6,6 +6,7 @@
     quack-cache prune --max-size 2G      evict least recently used writable entries down to a size
     quack-cache clear                    remove every writable entry
     quack-cache bundle --out F.tar [DIR...]   one deterministic archive (default: the writable layer)
+    quack-cache merge DIR... --into NEW        the union of cache folders, with its manifest.json
     quack-cache install F.tar [--into DIR]    verify and install a bundle (default: the writable layer)
     quack-cache show-config              versions, arch, layers and their trust, launcher, settings
     quack-cache --version
@@ -74,6 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
     bundle = sub.add_parser("bundle", parents=[common], help="write a deterministic archive of cache directories")
     bundle.add_argument("--out", required=True, metavar="FILE.tar", help="archive to write")
     bundle.add_argument("dirs", nargs="*", metavar="DIR", help="cache directories (default: the writable layer)")
+    merge = sub.add_parser("merge", parents=[common], help="write the union of cache folders as one new folder")
+    merge.add_argument("dirs", nargs="+", metavar="DIR", help="cache folders (entries verified, equal keys byte-equal)")
+    merge.add_argument("--into", required=True, metavar="DIR", help="the new or empty folder to write")
     install = sub.add_parser("install", parents=[common], help="verify and install a bundle")
     install.add_argument("bundle", metavar="FILE.tar")
     install.add_argument("--into", metavar="DIR", help="cache directory (default: the writable layer)")
@@ -289,6 +293,14 @@ def cmd_bundle(args, out) -> int:
     return 0
 
 
+def cmd_merge(args, out) -> int:
+    from .folders import merge
+
+    listed = merge([Path(d) for d in args.dirs], Path(args.into))
+    print(f"wrote {args.into}: {len(listed)} entries from {len(args.dirs)} folders", file=out)
+    return 0
+
+
 def cmd_install(args, out) -> int:
     path = Path(args.bundle)
     if not path.is_file():
@@ -409,7 +421,7 @@ def _dump(value: Any, out) -> None:
 
 
 COMMANDS = {"ls": cmd_ls, "stats": cmd_stats, "verify": cmd_verify, "prune": cmd_prune,
-            "clear": cmd_clear, "bundle": cmd_bundle, "install": cmd_install, "show-config": cmd_show_config}
+            "clear": cmd_clear, "bundle": cmd_bundle, "merge": cmd_merge, "install": cmd_install, "show-config": cmd_show_config}
 
 
 def main(argv: Sequence[str] | None = None, out=None) -> int:
