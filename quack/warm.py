@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import importlib
 import json
@@ -34,10 +35,11 @@ import shutil
 import sys
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 from quack.cache import maintenance
 from quack.cache.errors import CacheError
+from quack.cache.key import canonical_json
 from quack.cache.stats import stats
 from quack.cache.folders import MANIFEST, write_manifest
 from quack.cache.store import Layer, ensure_layer_dir, family_folder
@@ -63,8 +65,7 @@ class Unit:
     @property
     def text(self) -> str:
         """The unit as one canonical JSON line (an action's argument)."""
-        return json.dumps({"family": self.family, "function": self.function, "args": json.loads(self.args)},
-                          sort_keys=True, separators=(",", ":"))
+        return canonical_json({"family": self.family, "function": self.function, "args": json.loads(self.args)})
 
     @property
     def id(self) -> str:
@@ -79,12 +80,12 @@ class Unit:
             data = None
         if not isinstance(data, dict) or set(data) != {"family", "function", "args"} or not isinstance(data["args"], dict):
             raise ValueError(f"not a kernel unit: {text!r}")
-        return cls(data["family"], data["function"], json.dumps(data["args"], sort_keys=True, separators=(",", ":")))
+        return cls(data["family"], data["function"], canonical_json(data["args"]))
 
 
 def unit_of(listed) -> Unit:
     """The unit of a ``jit.ListedObject``."""
-    return Unit(listed.family, listed.function, json.dumps(listed.args, sort_keys=True, separators=(",", ":")))
+    return Unit(listed.family, listed.function, canonical_json(listed.args))
 
 
 def _as_call_value(value: Any) -> Any:
@@ -92,15 +93,16 @@ def _as_call_value(value: Any) -> Any:
     return tuple(_as_call_value(v) for v in value) if isinstance(value, list) else value
 
 
-def compile_unit(unit: Unit) -> None:
-    """Export ``unit``'s object into the writable layer (QUACK_CACHE_DIR), in compile-only mode."""
-    from quack.compile_only import compile_only_mode
-
+def compile_unit(unit: Unit) -> Callable[[], Any]:
+    """What exports ``unit``'s object into the writable layer (QUACK_CACHE_DIR)
+    when called in compile-only mode.  Raises ``ValueError`` unless the unit
+    names a compile function (a ``jit_cache`` one) of its own kernel family."""
     module, _, name = unit.function.rpartition(".")
-    compile_function = getattr(importlib.import_module(module), name)
+    compile_function = getattr(importlib.import_module(module), name, None)
     args = {key: _as_call_value(value) for key, value in json.loads(unit.args).items()}
-    with compile_only_mode():
-        compile_function(**args)
+    if not hasattr(compile_function, "request") or compile_function.request(**args).family != unit.family:
+        raise ValueError(f"not a compile function of kernel family {unit.family!r}: {unit.function}")
+    return functools.partial(compile_function, **args)
 
 
 class OutputFolderError(CacheError):
@@ -203,11 +205,14 @@ def warm_calls(calls: Sequence[tuple[str, Signature]]) -> None:
             plan.plan_for(sig).warm()
 
 
-def warm_units(units: Sequence[Unit]) -> None:
-    """Export each unit's object, in compile-only mode."""
-    for unit in units:
+def warm_units(compiles: Sequence[tuple[Unit, Callable[[], Any]]]) -> None:
+    """Export each unit's object (``compile_unit``), in compile-only mode."""
+    from quack.compile_only import compile_only_mode
+
+    for unit, compile_it in compiles:
         log.info("unit %s", unit.text)
-        compile_unit(unit)
+        with compile_only_mode():
+            compile_it()
 
 
 def warm_tests(test_files: Sequence[str], rootdir: Path) -> None:
@@ -243,7 +248,8 @@ def warm(
     out = Path(out).resolve()
     check_output_folder(out)
     calls = read_manifests(manifests, set(families))
-    units = [Unit.from_text(text) for text in units]  # a bad one is refused before anything runs
+    # A bad unit is refused before anything runs.
+    compiles = [(unit, compile_unit(unit)) for unit in map(Unit.from_text, units)]
     layer = Layer(out, str(out), True)
     ensure_layer_dir(layer)  # created private; one others can write is refused (CacheError)
     before = stats()["compile_seconds"]
@@ -260,7 +266,7 @@ def warm(
             if tests:
                 warm_tests(tests, rootdir or Path.cwd())
             warm_calls(calls)
-            warm_units(units)
+            warm_units(compiles)
         exported = _copy_entries(Layer(Path(staging), "staging", False), layer)
     objects = write_manifest(out)
     return WarmResult(objects, exported, len(calls), stats()["compile_seconds"] - before)

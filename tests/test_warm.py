@@ -175,6 +175,9 @@ def test_a_unit_warms_exactly_its_object(tmp_path, calls):
     assert obj.read_bytes() == (whole / "softmax" / obj.name).read_bytes()
     bad = _tool(tmp_path, f"--out={tmp_path / 'bad'}", "--unit={\"family\": \"softmax\"}")
     assert bad.returncode != 0 and "not a kernel unit" in bad.stderr
+    not_a_kernel = unit.text.replace(unit.function, "os.getcwd")
+    refused = _tool(tmp_path, f"--out={tmp_path / 'bad'}", f"--unit={not_a_kernel}")
+    assert refused.returncode != 0 and "not a compile function of kernel family 'softmax'" in refused.stderr
     assert not (tmp_path / "bad").exists()
 
 
