@@ -480,11 +480,11 @@ def test_torch_compile_fullgraph_with_autograd():
 def test_backward_runs_the_planned_products(a_layout, b_layout, monkeypatch):
     # The backward's two products are the calls the forward's plan lists, so
     # warming a training call warms what its backward launches.
-    gemm_module = sys.modules["quack.families.gemm.signature"]  # where the products plan
-
     seen = []
-    real_plan_for = gemm_module.plan_for
-    monkeypatch.setattr(gemm_module, "plan_for", lambda sig: seen.append(sig) or real_plan_for(sig))
+    real_plan_for = sys.modules["quack.calls.plan"].plan_for
+    # Where the eager call plans its signature, and where the backward plans its products.
+    for planner in ("quack.calls.eager", "quack.families.gemm.signature"):
+        monkeypatch.setattr(sys.modules[planner], "plan_for", lambda sig: seen.append(sig) or real_plan_for(sig))
     a = _operand(200, 136, dtype=torch.bfloat16, layout=a_layout).requires_grad_()
     b = _operand(136, 264, dtype=torch.bfloat16, layout=b_layout).requires_grad_()
     dc = _randn(200, 264)
