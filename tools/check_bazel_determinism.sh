@@ -5,8 +5,7 @@
 # from the disk cache, which only an earlier execution of the same actions can have put there
 # (in CI, the main build's, a minute before): two executions are compared either way, and the
 # log says how many of build 1's actions the cache served. Then WORKSPACE mode
-# (--config=workspace) must build what Bzlmod builds, on the smoke selection (check_lib.sh:
-# every family's action, each warming its first case). With --then-incremental, the incremental
+# (--config=workspace) must build what Bzlmod builds, on the smoke selection (check_lib.sh). With --then-incremental, the incremental
 # checks (tools/check_bazel_incremental.sh) follow in the second checkout's output base.
 # Usage: tools/check_bazel_determinism.sh [--then-incremental]   (exit 0 when identical)
 source "$(dirname "${BASH_SOURCE[0]}")/bazel_support/check_lib.sh"
@@ -23,10 +22,10 @@ copy_checkout "$b"
 
 log "build 1: $a (Bzlmod, fresh output base, the disk cache allowed)"
 bzl "$a" "$work/base-a" build --execution_log_json_file="$work/build1.json" //quack:warm_cache
-executed=$(count_runs "$work/build1.json" QuackWarmCache)
-families=$(kernel_families "$a" | wc -l)
+executed=$(python3 "$ws/tools/bazel_support/exec_log.py" "$work/build1.json" QuackKernel ran)
+units=$(python3 "$ws/tools/bazel_support/exec_log.py" "$work/build1.json" QuackKernel count)
 printf '   kernel actions executed now: %s of %s (the rest served by the disk cache: executed earlier)\n' \
-  "${executed%%:*}" "$families" >&2
+  "$executed" "$units" >&2
 log "build 2: $b (Bzlmod, fresh output base, no cache: every action executes)"
 bzl "$b" "$work/base-b" build "${NOCACHE[@]}" //quack:warm_cache
 mapfile -t dirs_a < <(warm_cache_dirs "$a" "$work/base-a")

@@ -2,11 +2,11 @@
 # End-to-end check of the HTTP remote cache, on a local nginx (tools/remote_cache/)
 # on a loopback port with a throwaway store. Every build runs in its own copy of the checkout
 # with a fresh output base and no disk cache (--disk_cache=), with --config=remote, on the smoke
-# selection (check_lib.sh: every family's action, each warming its matrix's first case):
+# selection (check_lib.sh: a few kernel actions per family, one object each):
 #
 #   A  cold build of //quack:warm_cache: compiles every kernel, uploads the results;
 #   B  another checkout folder: every kernel action is a remote cache hit, none runs, the objects
-#      are byte-identical to A's, and B's kernel action is at least 5x faster than A's;
+#      are byte-identical to A's, and B's kernel actions are at least 5x faster than A's;
 #   U  another user: a fresh HOME (so its own pinned Python environment, provisioned from the
 #      lock in its own cache folder) and another checkout folder: every kernel action is a remote
 #      cache hit of A's upload, none runs, the objects are byte-identical (action keys name no
@@ -14,12 +14,13 @@
 #   C  --config=remote-ro --remote_download_toplevel: `test //tests:test_rmsnorm` (compile-only,
 #      strict, against objects fetched only as the test's inputs; nothing uploaded), then
 #      `build //quack:warm_cache`: hits, identical;
-#   remote-execution readiness: the kernel action's inputs, command and environment hold no
-#      absolute paths and cover the package's modules; no output names a checkout or output base;
-#   faults (skip with --no-faults), each building one family's target in a fresh output base: a
-#      corrupted CAS blob, a slow server (within and beyond --remote_timeout), the server down:
-#      each build succeeds, warns where it fell back, and its
-#      objects verify against their manifest's sha256s and equal A's.
+#   remote-execution readiness: the kernel actions' inputs, command and environment hold no
+#      absolute paths, cover the package's modules and hold no test, manifest or list; no output
+#      names a checkout or output base;
+#   faults (skip with --no-faults), each building one family's target in a fresh output base: two
+#      corrupted CAS blobs (exactly their two kernel actions run again), a slow server (within and
+#      beyond --remote_timeout), the server down: each build succeeds, warns where it fell back,
+#      and its objects verify against their manifest's sha256s and equal A's.
 #
 # Usage: tools/check_remote_cache.sh [--no-faults]     (3.5 to 5 minutes on 2 cores; exit 0 = pass)
 # The last line is the summary: "remote cache: PASS ..." or "remote cache: FAIL ...".
@@ -78,10 +79,10 @@ run_bazel() {
   ((status == 0)) || fail "$name: bazel exited $status (log: $work/$name.log)"
 }
 
-# spawn_field NAME FIELD: of the QuackWarmCache spawns in NAME's execution log: "ran" (how many
+# spawn_field NAME FIELD: of the QuackKernel spawns (one per object) in NAME's execution log: "ran" (how many
 # ran: no cache hit), "hit" (remote cache hits), "count" (all), "time" (total seconds of their
 # metrics); tools/bazel_support/exec_log.py reads the log.
-spawn_field() { python3 "$ws/tools/bazel_support/exec_log.py" "$work/$1.exec.json" QuackWarmCache "$2"; }
+spawn_field() { python3 "$ws/tools/bazel_support/exec_log.py" "$work/$1.exec.json" QuackKernel "$2"; }
 
 # objects CHECKOUT BASE OUT [FAMILY]: the warm_cache outputs' digests (one family's only, when
 # given) into OUT; every object and sidecar verified against the manifest's sha256 (the objects the
@@ -219,7 +220,7 @@ echo "   note: the interpreter shim (no path in it) runs the environment its lin
 # --- faults ------------------------------------------------------------------------------------------
 fault_note="faults skipped"
 if ((faults)); then
-  # Each fault build needs one kernel action only: the first family's target (the fallbacks compile).
+  # Each fault build needs one family only: the first family's target (the fallbacks compile its units).
   fam=$(basename "${dirs_a[0]}")
   fam=${fam#warm_cache_}
   target=//quack:warm_cache_$fam
@@ -231,11 +232,13 @@ if ((faults)); then
   run_bazel f1 "$f" "$work/base-f1" build "$target"
   grep -A4 'WARNING: Remote Cache' "$work/f1.log" | sed 's/^/   | /' | cut -c1-220 >&2 || true
   grep -A4 'WARNING: Remote Cache' "$work/f1.log" | grep -qiE 'digest|mismatch' || fail "fault 1: no warning about the digest mismatch"
-  [[ $(spawn_field f1 ran) == 1 ]] || fail "fault 1: the kernel action did not run locally"
+  [[ $(spawn_field f1 ran) == "${#victims[@]}" ]] ||
+    fail "fault 1: $(spawn_field f1 ran) kernel actions ran locally (expected the ${#victims[@]} whose objects were corrupted)"
+  fam_units=$(spawn_field f1 count)
   objects "$f" "$work/base-f1" "$work/f1.sha256" "$fam"
   same_as_a "fault 1" "$work/f1.sha256" "$fam"
   heal=$("$rc_faults" verify "$store" 2>/dev/null) || fail "fault 1: the store still holds bad blobs ($heal)"
-  echo "   fell back, ran locally in ${wall}s, objects verified and identical; re-upload repaired the store ($heal)" >&2
+  echo "   fell back, the ${#victims[@]} kernel actions of the corrupted objects ran locally (of $fam_units) in ${wall}s, objects verified and identical; re-upload repaired the store ($heal)" >&2
 
   # 2. Slow, within --remote_timeout: nginx sends every response at 8 KB/s.
   log "fault 2: slow server (limit_rate 8k per response), within --remote_timeout"
@@ -244,7 +247,7 @@ if ((faults)); then
   mark
   run_bazel f2 "$f" "$work/base-f2" build "$target"
   f2_wall=$wall
-  [[ $(spawn_field f2 ran) == 0 && $(spawn_field f2 hit) == 1 ]] || fail "fault 2: expected remote hits only"
+  [[ $(spawn_field f2 ran) == 0 && $(spawn_field f2 hit) == "$fam_units" ]] || fail "fault 2: expected remote hits only"
   objects "$f" "$work/base-f2" "$work/f2.sha256" "$fam"
   same_as_a "fault 2" "$work/f2.sha256" "$fam"
   echo "   remote hits, kernel actions $(spawn_field f2 time)s, wall ${f2_wall}s, objects identical; server: $(net)" >&2
@@ -257,7 +260,7 @@ if ((faults)); then
   mark
   RC_CONFIG=remote-ro run_bazel f3 "$f" "$work/base-f3" build --remote_timeout=3 "$target"
   grep -qE 'WARNING: .*Remote Cache' "$work/f3.log" || fail "fault 3: no remote cache warning"
-  [[ $(spawn_field f3 ran) == 1 ]] || fail "fault 3: the kernel action did not run locally"
+  [[ $(spawn_field f3 ran) == "$fam_units" ]] || fail "fault 3: the kernel actions did not run locally"
   objects "$f" "$work/base-f3" "$work/f3.sha256" "$fam"
   same_as_a "fault 3" "$work/f3.sha256" "$fam"
   f3_wall=$wall
@@ -268,7 +271,7 @@ if ((faults)); then
   stop_server
   run_bazel f4 "$f" "$work/base-f4" build "$target"
   grep -qE 'WARNING: .*Remote Cache' "$work/f4.log" || fail "fault 4: no remote cache warning"
-  [[ $(spawn_field f4 ran) == 1 ]] || fail "fault 4: the kernel action did not run locally"
+  [[ $(spawn_field f4 ran) == "$fam_units" ]] || fail "fault 4: the kernel actions did not run locally"
   objects "$f" "$work/base-f4" "$work/f4.sha256" "$fam"
   same_as_a "fault 4" "$work/f4.sha256" "$fam"
   echo "   fell back, ran locally, objects verified and identical (wall ${wall}s)" >&2

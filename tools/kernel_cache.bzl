@@ -1,7 +1,8 @@
 """Kernel object caches as Bazel outputs.
 
 `kernel_cache` runs `tools/warm_cache.py` in compile-only mode (no GPU) for one kernel family, in
-one action whose output is one directory:
+one action (running the family's tests: what the full matrix, which has no kernel list, needs)
+whose output is one directory:
 
     <out>/<family>/<hash>.o, <hash>.json    the exported objects and their sidecars
     <out>/manifest.json                      sorted, deterministic
@@ -14,10 +15,11 @@ finds the environment through a link, the one input outside the action's tree). 
 byte-identical across clean builds, output bases and checkout folders, so any Bazel cache shares
 them.
 
-`kernel_cache_set` is the union of several `kernel_cache` targets: its files are their
-directories plus `<name>.dirs`, one runfiles path per line (what QUACK_CACHE_PATH lists).
+`kernel_cache_set` is the union of several `kernel_cache` or `unit_cache` targets: its files are
+their directories plus `<name>.dirs`, one runfiles path per line (what QUACK_CACHE_PATH lists).
 
-Both are normally created through `kernel_caches` (one call in quack/BUILD.bazel).
+`kernel_caches` creates one `kernel_cache` per family and their union; tools/kernel_units.bzl
+builds the same directories from the committed kernel lists, one action per object.
 """
 
 load("@rules_python//python:defs.bzl", "PyRuntimeInfo")
@@ -31,7 +33,17 @@ KernelCacheInfo = provider(
 # Kernel and bundle actions always run in the pinned environment (@quack_python), whatever Python
 # toolchain a configuration registers: their keys are then the default build's in every
 # configuration, so GPU runners (--config=gpu) hit what CI built (tools/check_gpu_config_keys.sh).
-_PINNED_PYTHON = "@quack_python//:py3_runtime"
+PINNED_PYTHON = "@quack_python//:py3_runtime"
+
+# The environment every kernel object is compiled in. The DSL's own file cache would be an input
+# outside the declared ones; bytecode would be written into the sources of an unsandboxed action.
+COMPILE_ENV = {
+    "CUTE_DSL_DISABLE_FILE_CACHING": "1",
+    "PYTHONDONTWRITEBYTECODE": "1",
+    "PYTHONHASHSEED": "0",
+    "PYTHONPATH": ".",  # the execroot (a worker's request: its sandbox): `import quack`
+    "QUACK_REQUIRE_PINNED_ENV": "1",
+}
 
 def _kernel_cache_impl(ctx):
     out = ctx.actions.declare_directory(ctx.attr.name)
@@ -53,14 +65,9 @@ def _kernel_cache_impl(ctx):
             transitive = [runtime.files],
         ),
         outputs = [out],
-        env = {
-            "CUTE_DSL_DISABLE_FILE_CACHING": "1",  # no IR cache outside the declared inputs
-            "PYTHONDONTWRITEBYTECODE": "1",
-            "PYTHONHASHSEED": "0",
-            "PYTHONPATH": ".",  # the execroot: `import quack`
+        env = COMPILE_ENV | {
             "QUACK_ARCH": ctx.attr.arch,
             "QUACK_MATRIX": ctx.attr.matrix,  # which cases of the tests' correctness matrices run
-            "QUACK_REQUIRE_PINNED_ENV": "1",
         },
         mnemonic = "QuackWarmCache",
         progress_message = "Compiling %s kernels for %s into %%{output}" % (ctx.attr.family, ctx.attr.arch),
@@ -90,7 +97,7 @@ kernel_cache = rule(
         "srcs": attr.label_list(mandatory = True, allow_files = [".py"], doc = "The family's module plus the shared modules."),
         "tests": attr.label_list(allow_files = [".py"], doc = "Test files that warm the family."),
         "warm_cache": attr.label(mandatory = True, allow_single_file = [".py"], doc = "tools/warm_cache.py."),
-        "_python": attr.label(default = _PINNED_PYTHON, providers = [PyRuntimeInfo]),
+        "_python": attr.label(default = PINNED_PYTHON, providers = [PyRuntimeInfo]),
     },
 )
 
@@ -190,6 +197,6 @@ kernel_cache_bundle = rule(
     attrs = {
         "caches": attr.label_list(mandatory = True, providers = [KernelCacheInfo], doc = "kernel_cache or kernel_cache_set targets."),
         "srcs": attr.label_list(mandatory = True, allow_files = [".py"], doc = "quack/__init__.py and the quack/cache/ and quack/launch/ modules (the bundler)."),
-        "_python": attr.label(default = _PINNED_PYTHON, providers = [PyRuntimeInfo]),
+        "_python": attr.label(default = PINNED_PYTHON, providers = [PyRuntimeInfo]),
     },
 )

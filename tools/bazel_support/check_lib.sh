@@ -46,7 +46,8 @@ bzl() {
 }
 NOCACHE=(--disk_cache= --noremote_accept_cached --noremote_upload_local_results)
 # The checks of the build's wiring build the smoke selection (.bazelrc, --config=smoke): every
-# family's action, each warming its matrix's first case. Determinism builds the whole suite.
+# family's units of its smoke list (the matrices' first cases), a few kernel actions per family.
+# Determinism builds the whole suite.
 SMOKE=(--config=smoke)
 
 # kernel_families CHECKOUT: the checkout's kernel family packages (quack/families/<family>/), one a line.

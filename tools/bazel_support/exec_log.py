@@ -7,6 +7,7 @@ cannot read it: ``spawns`` decodes the objects one after another.
 
 prints, of the spawns of MNEMONIC in LOG:
     runs   how many ran (no cache hit) and their target labels: "N: label label ..."
+    targets  of those that ran, how many per target: "label=N label=N ..." (sorted; empty if none)
     ran    how many ran (no cache hit)
     hit    how many were remote cache hits
     count  how many there are
@@ -37,12 +38,22 @@ def _runs(found: list) -> str:
     return "%d: %s" % (len(labels), " ".join(labels))
 
 
+def _targets(found: list) -> str:
+    counts = {}
+    for s in found:
+        if not s.get("cacheHit"):
+            label = s.get("targetLabel", "?")
+            counts[label] = counts.get(label, 0) + 1
+    return " ".join("%s=%d" % item for item in sorted(counts.items()))
+
+
 def _total_seconds(found: list) -> str:
     return "%.3f" % sum(float(s.get("metrics", {}).get("totalTime", "0s").rstrip("s")) for s in found)
 
 
 QUERIES = {
     "runs": _runs,
+    "targets": _targets,
     "ran": lambda found: sum(1 for s in found if not s.get("cacheHit")),
     "hit": lambda found: sum(1 for s in found if s.get("cacheHit") and s.get("runner") == "remote cache hit"),
     "count": len,

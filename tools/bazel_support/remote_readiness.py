@@ -1,7 +1,8 @@
 """Remote-execution readiness of the kernel actions (tools/check_remote_cache.sh): every
-QuackWarmCache spawn of an execution log declares only relative inputs, names no absolute path
-in its command or environment, is remotable and remote-cacheable, and declares every package
-module it may import (other kernel families' modules are left out on purpose).
+QuackKernel spawn of an execution log declares only relative inputs, names no absolute path
+in its command or environment, is remotable and remote-cacheable, declares every package
+module it may import (other kernel families' modules are left out on purpose), and reads no
+test, manifest or kernel list (its unit comes in its params file).
 
     remote_readiness.py EXEC_LOG CHECKOUT      (exit 0 = ready; prints one line per action)
 """
@@ -21,7 +22,7 @@ def problems_of(spawn: dict, checkout: str) -> list:
     problems += ["absolute path in command/env: %s" % w for w in words if w.startswith("/") or "=/" in w]
     if not spawn.get("remotable", True) or not spawn.get("remoteCacheable", True):
         problems.append("%s is not remotable" % spawn["targetLabel"])
-    family = spawn["targetLabel"].rsplit("warm_cache_", 1)[-1]
+    family = spawn["targetLabel"].rsplit(":units_", 1)[-1]
     for path in glob.glob(os.path.join(checkout, "quack/**/*.py"), recursive=True):
         rel = os.path.relpath(path, checkout)
         parts = rel.split("/")
@@ -30,18 +31,24 @@ def problems_of(spawn: dict, checkout: str) -> list:
             continue
         if rel not in inputs:
             problems.append("%s: module %s is not a declared input" % (spawn["targetLabel"], rel))
-    for need in ("tools/warm_cache.py", "requirements_lock.txt", "tools/configs/production.jsonl", "tests/test_%s.py" % family):
+    for need in ("tools/warm_cache.py", "requirements_lock.txt"):
         if need not in inputs:
             problems.append("%s: %s is not a declared input" % (spawn["targetLabel"], need))
+    problems += ["%s: reads %s (a kernel action's inputs are sources, its unit and the toolchain)" % (spawn["targetLabel"], p)
+                 for p in inputs if p.startswith(("tests/", "tools/configs/", "tools/kernels/"))]
     return problems
 
 
 def main(log: str, checkout: str) -> int:
-    problems = []
-    for spawn in spawns(log, "QuackWarmCache"):
+    problems, per_target = [], {}
+    for spawn in spawns(log, "QuackKernel"):
         problems += problems_of(spawn, checkout)
-        print("   %s: %d declared inputs, all relative; command and environment relative"
-              % (spawn["targetLabel"], len(spawn["inputs"])))
+        per_target.setdefault(spawn["targetLabel"], []).append(len(spawn["inputs"]))
+    for label, counts in sorted(per_target.items()):
+        print("   %s: %d actions of %d declared inputs each, all relative; command and environment relative"
+              % (label, len(counts), max(counts)))
+    if not per_target:
+        problems.append("no QuackKernel spawn in %s" % log)
     for p in problems:
         print("   problem: " + p)
     return 1 if problems else 0

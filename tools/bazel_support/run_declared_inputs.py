@@ -2,16 +2,17 @@
 
     python3 run_declared_inputs.py AQUERY_JSON EXECROOT WORK
 
-AQUERY_JSON is `bazel aquery --output=jsonproto` of the QuackWarmCache actions. For each action:
-a folder WORK/<family>/ gets a copy of every input file the action declares, at its execroot
-path, and nothing else; the action's command runs there with exactly the action's environment
-(what `bazel aquery` lists, no HOME, no user variables); its output folder must then hold the
-same files, byte for byte, as Bazel's (EXECROOT/<output>).
+AQUERY_JSON is `bazel aquery --include_param_files --output=jsonproto` of the QuackKernel
+actions; those whose output the build made (EXECROOT/<output> exists) are run. For each: a folder
+WORK/<family>/<unit>/ gets a copy of every input file the action declares and its params file, at
+their execroot paths, and nothing else; the action's command runs there standalone (not as a
+worker) with exactly the action's environment (what `bazel aquery` lists, no HOME, no user
+variables); its output folder must then hold the same files, byte for byte, as Bazel's.
 
 One input lies outside the copy by design: the pinned Python environment. The interpreter shim
 is copied like every other input and finds the environment through the link `env` beside it (as
 it does in Bazel's sandbox), so the copy gets that link, pointing where Bazel's does.
-Prints one line per family; exit 0 when every family's objects are identical.
+Prints one line per action; exit 0 when every action's objects are identical.
 """
 
 from __future__ import annotations
@@ -63,32 +64,37 @@ def _digest(folder: Path) -> dict[str, str]:
 
 def run_action(query: dict, action: dict, paths: dict[int, str], execroot: Path, work: Path) -> tuple[bool, str]:
     (output,) = [paths[i] for i in action["outputIds"]]
-    family = Path(output).name.removeprefix("warm_cache_")
-    root = work / family
+    family = Path(output).parent.name.removeprefix("units_")
+    unit = f"{family}/{Path(output).name}"
+    root = work / unit
     inputs = _inputs(query, action, paths)
     for rel in inputs:
         dest = root / rel
         dest.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(execroot / rel, dest, follow_symlinks=True)
+    for params in action.get("paramFiles", []):
+        dest = root / params["execPath"]
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        dest.write_text("".join(arg + "\n" for arg in params["arguments"]))
     shim = action["arguments"][0]
     env_link = Path(os.path.realpath(execroot / shim)).parent / "env"
     if not env_link.is_dir():
-        return False, f"{family}: the interpreter shim {shim} has no environment link beside it ({env_link})"
+        return False, f"{unit}: the interpreter shim {shim} has no environment link beside it ({env_link})"
     (root / shim).parent.joinpath("env").symlink_to(os.path.realpath(env_link))
     (root / output).mkdir(parents=True)
     env = {v["key"]: v["value"] for v in action.get("environmentVariables", [])}
     done = subprocess.run(action["arguments"], cwd=root, env=env, capture_output=True, text=True)
     if done.returncode != 0:
         tail = (done.stdout + done.stderr)[-3000:]
-        return False, f"{family}: the action failed on its declared inputs (exit {done.returncode}):\n{tail}"
+        return False, f"{unit}: the action failed on its declared inputs (exit {done.returncode}):\n{tail}"
     ours, bazels = _digest(root / output), _digest(execroot / output)
     objects = sum(name.endswith(".o") for name in bazels)
     if not objects:
-        return False, f"{family}: Bazel's output {output} holds no objects"
+        return False, f"{unit}: Bazel's output {output} holds no objects"
     if ours != bazels:
         differ = sorted(set(ours.items()) ^ set(bazels.items()))[:10]
-        return False, f"{family}: outputs differ from Bazel's ({len(ours)} vs {len(bazels)} files): {differ}"
-    return True, (f"{family}: {len(inputs)} declared inputs copied, the action ran there: "
+        return False, f"{unit}: outputs differ from Bazel's ({len(ours)} vs {len(bazels)} files): {differ}"
+    return True, (f"{unit}: {len(inputs)} declared inputs copied, the action ran there: "
                   f"{len(ours)} files ({objects} objects) identical to Bazel's")
 
 
@@ -96,17 +102,18 @@ def main(argv: list[str]) -> int:
     query = json.loads(Path(argv[1]).read_text())
     execroot, work = Path(argv[2]), Path(argv[3])
     paths = _paths(query)
-    actions = [a for a in query.get("actions", []) if a.get("mnemonic") == "QuackWarmCache"]
+    actions = [a for a in query.get("actions", []) if a.get("mnemonic") == "QuackKernel"
+               and all((execroot / paths[i]).is_dir() for i in a["outputIds"])]
     if not actions:
-        print("declared inputs: FAIL (no QuackWarmCache action in the query)")
+        print("declared inputs: FAIL (no QuackKernel action the build ran in the query)")
         return 1
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
         results = list(pool.map(lambda a: run_action(query, a, paths, execroot, work), actions))
     for _, line in results:
         print(line)
     ok = all(passed for passed, _ in results)
-    print(f"declared inputs: {'PASS' if ok else 'FAIL'} ({sum(p for p, _ in results)}/{len(results)} families "
-          "identical on copies of their declared inputs; the pinned environment is reached through the shim's link)")
+    print(f"declared inputs: {'PASS' if ok else 'FAIL'} ({sum(p for p, _ in results)}/{len(results)} kernel actions "
+          "identical standalone on copies of their declared inputs; the pinned environment is reached through the shim's link)")
     return 0 if ok else 1
 
 

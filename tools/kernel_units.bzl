@@ -1,0 +1,164 @@
+"""Kernel caches built one object per action, from the committed kernel lists.
+
+`kernel_units` runs one `QuackKernel` action per unit (one object) of the
+committed kernel lists (tools/kernels/units.bzl), whose inputs are the family's sources, the unit
+and the toolchain only (never the tests, the manifests or the lists), run by tools/warm_cache.py as
+a persistent worker where Bazel can (the DSL imported once per worker) and standalone elsewhere.
+`unit_cache` merges a selection of a family's units into the same directory a `kernel_cache`
+writes (`python -m quack.cache merge`), so what consumes the caches cannot tell them apart.
+
+Both are normally created through `unit_caches` (quack/BUILD.bazel).
+"""
+
+load("@rules_python//python:defs.bzl", "PyRuntimeInfo")
+load("//tools:kernel_cache.bzl", "COMPILE_ENV", "KernelCacheInfo", "PINNED_PYTHON", "kernel_cache_set")
+load("//tools:kernel_families.bzl", "KERNEL_FAMILIES")
+
+KernelUnitsInfo = provider(
+    doc = "One kernel family's unit objects: one directory per unit of the committed kernel list.",
+    fields = {"trees": "dict: unit id -> directory File (<family>/<key>.o, .json)"},
+)
+
+def _kernel_units_impl(ctx):
+    runtime = ctx.attr._python[PyRuntimeInfo]
+    inputs = depset(
+        ctx.files.srcs + [ctx.file.warm_cache, ctx.file.lock],
+        transitive = [runtime.files],
+    )
+
+    # Everything outside the params file starts the worker (its key): the same for every unit.
+    startup = ctx.actions.args()
+    startup.add(ctx.file.warm_cache)
+    trees = {}
+    for unit_id, unit in sorted(ctx.attr.units.items()):
+        tree = ctx.actions.declare_directory("%s/%s" % (ctx.attr.name, unit_id))
+        request = ctx.actions.args()
+        request.add(tree.path, format = "--out=%s")
+        request.add(ctx.attr.arch, format = "--arch=%s")
+        request.add(unit, format = "--unit=%s")
+        request.use_param_file("@%s", use_always = True)
+        request.set_param_file_format("multiline")
+        ctx.actions.run(
+            executable = runtime.interpreter,
+            arguments = [startup, request],
+            inputs = inputs,
+            outputs = [tree],
+            env = COMPILE_ENV,
+            execution_requirements = {
+                "requires-worker-protocol": "json",
+                "supports-workers": "1",
+            },
+            mnemonic = "QuackKernel",
+            progress_message = "Compiling %s kernel %s for %s" % (ctx.attr.family, unit_id, ctx.attr.arch),
+        )
+        trees[unit_id] = tree
+    return [
+        # Built on request only (bazel build //quack:units_gemm): the caches are unit_cache targets.
+        DefaultInfo(files = depset(trees.values())),
+        KernelUnitsInfo(trees = trees),
+    ]
+
+kernel_units = rule(
+    implementation = _kernel_units_impl,
+    doc = "One kernel family's objects, one QuackKernel action per unit of its kernel list.",
+    attrs = {
+        "arch": attr.string(default = "sm_90a", doc = "GPU arch the objects are compiled for."),
+        "family": attr.string(mandatory = True, doc = "Kernel family (quack/families/<family>/)."),
+        "lock": attr.label(mandatory = True, allow_single_file = True, doc = "The Python lock file."),
+        "srcs": attr.label_list(mandatory = True, allow_files = [".py"], doc = "The family's package plus the shared modules."),
+        "units": attr.string_dict(mandatory = True, doc = "Unit id -> unit JSON (UNITS[family] of tools/kernels/units.bzl)."),
+        "warm_cache": attr.label(mandatory = True, allow_single_file = [".py"], doc = "tools/warm_cache.py."),
+        "_python": attr.label(default = PINNED_PYTHON, providers = [PyRuntimeInfo]),
+    },
+)
+
+def _unit_cache_impl(ctx):
+    trees = ctx.attr.units[KernelUnitsInfo].trees
+    unknown = [unit_id for unit_id in ctx.attr.ids if unit_id not in trees]
+    if unknown:
+        fail("%s: units %s are not in %s" % (ctx.label, unknown, ctx.attr.units.label))
+    out = ctx.actions.declare_directory(ctx.attr.name)
+    runtime = ctx.attr._python[PyRuntimeInfo]
+    selected = [trees[unit_id] for unit_id in sorted(ctx.attr.ids)]
+
+    args = ctx.actions.args()
+    args.add_all(["-m", "quack.cache", "merge"])
+    args.add_all(selected, expand_directories = False)
+    args.add(out.path, format = "--into=%s")
+
+    ctx.actions.run(
+        executable = runtime.interpreter,
+        arguments = [args],
+        inputs = depset(ctx.files.srcs + selected, transitive = [runtime.files]),
+        outputs = [out],
+        env = {
+            "PYTHONDONTWRITEBYTECODE": "1",
+            "PYTHONHASHSEED": "0",
+            "PYTHONPATH": ".",  # the execroot: quack/cache/
+            "QUACK_REQUIRE_PINNED_ENV": "1",
+        },
+        mnemonic = "QuackCacheMerge",
+        progress_message = "Merging %d kernel units into %%{output}" % len(selected),
+    )
+    return [
+        DefaultInfo(files = depset([out]), runfiles = ctx.runfiles(files = [out])),
+        KernelCacheInfo(dirs = depset([out])),
+    ]
+
+unit_cache = rule(
+    implementation = _unit_cache_impl,
+    doc = "A selection of one family's units merged into one kernel cache directory (as kernel_cache writes).",
+    attrs = {
+        "ids": attr.string_list(mandatory = True, doc = "The selected unit ids (SELECTIONS[family][selection]); may be a select()."),
+        "srcs": attr.label_list(mandatory = True, allow_files = [".py"], doc = "quack/__init__.py and the quack/cache/ and quack/launch/ modules (the merger)."),
+        "units": attr.label(mandatory = True, providers = [KernelUnitsInfo], doc = "The family's kernel_units target."),
+        "_python": attr.label(default = PINNED_PYTHON, providers = [PyRuntimeInfo]),
+    },
+)
+
+def unit_caches(*, name, units, selections, selection, shared_srcs, family_srcs, lock, warm_cache, cache_cli, families = KERNEL_FAMILIES, arch = "sm_90a"):
+    """A kernel cache per family built from its units, and their union `<name>`.
+
+    Per family: `units_<family>` (its kernel_units) and `<name>_<family>` (a selection of them
+    merged); `<name>` is the kernel_cache_set of the latter.
+
+    Args:
+      name: name of the union target (a `kernel_cache_set`).
+      units: dict family -> unit id -> unit JSON (UNITS of tools/kernels/units.bzl).
+      selections: dict family -> selection -> unit ids (SELECTIONS of the same file).
+      selection: which selection each family's cache holds ("ci" or "smoke"); may be a dict of
+        config_setting label -> selection, made into a select().
+      shared_srcs: modules every family may import (the package without any family package).
+      family_srcs: dict family -> list of its own modules.
+      lock: the Python lock file (a declared input: a lock change recompiles everything).
+      warm_cache: tools/warm_cache.py.
+      cache_cli: quack/__init__.py and the quack/cache/ and quack/launch/ modules (the merger).
+      families: kernel families; default: KERNEL_FAMILIES (tools/kernel_families.bzl).
+      arch: GPU arch, default sm_90a.
+    """
+    for family in families:
+        if family not in units or family not in selections:
+            fail("unit_caches(name = %r): family %r has no kernel list: run tools/bazel run //tools:kernel_lists -- --update" % (name, family))
+        kernel_units(
+            name = "units_%s" % family,
+            arch = arch,
+            family = family,
+            lock = lock,
+            srcs = shared_srcs + family_srcs[family],
+            units = units[family],
+            warm_cache = warm_cache,
+        )
+        if type(selection) == "dict":
+            ids = select({setting: selections[family][chosen] for setting, chosen in selection.items()})
+        else:
+            ids = selections[family][selection]
+        unit_cache(
+            name = "%s_%s" % (name, family),
+            ids = ids,
+            srcs = cache_cli,
+            units = ":units_%s" % family,
+        )
+    kernel_cache_set(
+        name = name,
+        caches = [":%s_%s" % (name, family) for family in families],
+    )
