@@ -45,6 +45,29 @@ COMPILE_ENV = {
     "QUACK_REQUIRE_PINNED_ENV": "1",
 }
 
+# The environment of `python -m quack.cache` actions (bundle, merge): the standard library only.
+CACHE_CLI_ENV = {
+    "PYTHONDONTWRITEBYTECODE": "1",
+    "PYTHONHASHSEED": "0",
+    "PYTHONPATH": ".",  # the execroot: quack/cache/
+    "QUACK_REQUIRE_PINNED_ENV": "1",
+}
+
+def cache_dir_providers(ctx, out):
+    """The providers of a rule whose output is one kernel cache directory `out`.
+
+    Args:
+      ctx: the rule's context.
+      out: the directory File.
+
+    Returns:
+      DefaultInfo (the directory, also as runfiles) and KernelCacheInfo.
+    """
+    return [
+        DefaultInfo(files = depset([out]), runfiles = ctx.runfiles(files = [out])),
+        KernelCacheInfo(dirs = depset([out])),
+    ]
+
 def _kernel_cache_impl(ctx):
     out = ctx.actions.declare_directory(ctx.attr.name)
     runtime = ctx.attr._python[PyRuntimeInfo]
@@ -72,10 +95,7 @@ def _kernel_cache_impl(ctx):
         mnemonic = "QuackWarmCache",
         progress_message = "Compiling %s kernels for %s into %%{output}" % (ctx.attr.family, ctx.attr.arch),
     )
-    return [
-        DefaultInfo(files = depset([out]), runfiles = ctx.runfiles(files = [out])),
-        KernelCacheInfo(dirs = depset([out])),
-    ]
+    return cache_dir_providers(ctx, out)
 
 kernel_cache = rule(
     implementation = _kernel_cache_impl,
@@ -177,12 +197,7 @@ def _kernel_cache_bundle_impl(ctx):
         arguments = [args],
         inputs = depset(ctx.files.srcs, transitive = [dirs, runtime.files]),
         outputs = [out],
-        env = {
-            "PYTHONDONTWRITEBYTECODE": "1",
-            "PYTHONHASHSEED": "0",
-            "PYTHONPATH": ".",  # the execroot: quack/cache/
-            "QUACK_REQUIRE_PINNED_ENV": "1",
-        },
+        env = CACHE_CLI_ENV,
         mnemonic = "QuackCacheBundle",
         progress_message = "Bundling kernel caches into %{output}",
     )

@@ -11,7 +11,7 @@ Both are normally created through `unit_caches` (quack/BUILD.bazel).
 """
 
 load("@rules_python//python:defs.bzl", "PyRuntimeInfo")
-load("//tools:kernel_cache.bzl", "COMPILE_ENV", "KernelCacheInfo", "PINNED_PYTHON", "kernel_cache_set")
+load("//tools:kernel_cache.bzl", "CACHE_CLI_ENV", "COMPILE_ENV", "PINNED_PYTHON", "cache_dir_providers", "kernel_cache_set")
 load("//tools:kernel_families.bzl", "KERNEL_FAMILIES")
 
 KernelUnitsInfo = provider(
@@ -91,19 +91,11 @@ def _unit_cache_impl(ctx):
         arguments = [args],
         inputs = depset(ctx.files.srcs + selected, transitive = [runtime.files]),
         outputs = [out],
-        env = {
-            "PYTHONDONTWRITEBYTECODE": "1",
-            "PYTHONHASHSEED": "0",
-            "PYTHONPATH": ".",  # the execroot: quack/cache/
-            "QUACK_REQUIRE_PINNED_ENV": "1",
-        },
+        env = CACHE_CLI_ENV,
         mnemonic = "QuackCacheMerge",
         progress_message = "Merging %d kernel units into %%{output}" % len(selected),
     )
-    return [
-        DefaultInfo(files = depset([out]), runfiles = ctx.runfiles(files = [out])),
-        KernelCacheInfo(dirs = depset([out])),
-    ]
+    return cache_dir_providers(ctx, out)
 
 unit_cache = rule(
     implementation = _unit_cache_impl,
