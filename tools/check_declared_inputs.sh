@@ -13,7 +13,7 @@ source "$(dirname "${BASH_SOURCE[0]}")/bazel_support/check_lib.sh"
 a=$work/a
 copy_checkout "$a"
 log "build //quack:warm_cache ${SMOKE[*]} in $a (fresh output base)"
-bzl "$a" "$work/base" build "${SMOKE[@]}" //quack:warm_cache
+bzl "$a" "$work/base" build "${NOCACHE[@]}" "${SMOKE[@]}" //quack:warm_cache
 bzl "$a" "$work/base" aquery "${SMOKE[@]}" --include_param_files --output=jsonproto 'mnemonic("QuackKernel", deps(//quack:warm_cache))' \
   >"$work/aquery.json" 2>/dev/null
 execroot=$(bzl "$a" "$work/base" info "${SMOKE[@]}" execution_root 2>/dev/null)
