@@ -182,6 +182,39 @@ def test_torch_compile_variants_warm_what_eager_warms(no_compiles, dynamic, mode
     assert any(k.startswith("compile_rmsnorm_bwd") for k in no_compiles)
 
 
+def _training_step_ops():
+    """Ops that allocate per-row statistics, called as a model's training step calls them."""
+    def layernorm(x):
+        w = torch.nn.Parameter(torch.ones(x.shape[-1], device="cuda"))
+        b = torch.nn.Parameter(torch.zeros(x.shape[-1], device="cuda"))
+        return lambda t: quack.layernorm(t, w, b), (w, b)
+
+    def rmsnorm_residual(x):
+        w = torch.nn.Parameter(torch.ones(x.shape[-1], device="cuda"))
+        return lambda t: sum(quack.rmsnorm(t, w, residual=t * 2)), (w,)
+
+    def cross_entropy(x):
+        return lambda t: quack.cross_entropy(t, torch.zeros(t.shape[:-1], dtype=torch.long, device="cuda")), ()
+
+    return {"layernorm": layernorm, "rmsnorm_residual": rmsnorm_residual, "cross_entropy": cross_entropy}
+
+
+@cuda_build
+@pytest.mark.parametrize("op", sorted(_training_step_ops()))
+def test_dynamic_shapes_over_ops_with_per_row_outputs(no_compiles, op):
+    """torch.compile(dynamic=True) of (batch, seq, hidden) inputs at two sequence lengths, then backward."""
+    torch._dynamo.reset()
+    with compile_only_mode():
+        fn, params = _training_step_ops()[op](torch.empty(1, 1, 512, device="cuda"))
+        compiled = torch.compile(lambda t: fn(t).float().sum(), dynamic=True)
+        for seq in (16, 40):
+            x = torch.randn(2, seq, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+            compiled(x).backward()
+            assert x.grad.shape == x.shape and all(p.grad.shape == p.shape for p in params)
+    family = op.split("_residual")[0]
+    assert any(k.startswith(f"compile_{family}_bwd") for k in no_compiles)
+
+
 @cuda_build
 def test_autograd_backward_called_directly_and_checkpointing(no_compiles):
     from torch.utils.checkpoint import checkpoint

@@ -17,7 +17,6 @@ import ast
 import dataclasses
 import functools
 import importlib.util
-import math
 import pathlib
 from typing import Any, Optional, Union
 
@@ -46,8 +45,14 @@ class Output:
         ref = values[self.like]
         if self.shape is None and self.dtype is None:
             return torch.empty_like(ref)
-        shape = ref.shape if self.shape is None else (math.prod(ref.shape[:-1]),) if self.shape == PER_ROW else self.shape
         dtype = ref.dtype if self.dtype is None else getattr(torch, self.dtype)
+        if self.shape == PER_ROW:
+            # Shaped by a view, not by reading ``ref.shape``: under torch.compile
+            # a size read in Python becomes a graph value, and one the trace
+            # specialised to a constant breaks torch 2.11's autograd.Function
+            # capture (the C fast path never comes here).
+            return torch.empty_like(ref.select(-1, 0), dtype=dtype, memory_format=torch.contiguous_format).view(-1)
+        shape = ref.shape if self.shape is None else self.shape
         return torch.empty(shape, device=ref.device, dtype=dtype)
 
 
