@@ -30,6 +30,7 @@ from harness import STANDARD_SHAPES, bench_ms, copy_bandwidth  # noqa: E402
 from launch_overhead import per_call_us  # noqa: E402
 
 import quack  # noqa: E402
+from quack.calls import torch_interop as ti  # noqa: E402
 
 DECODE_ROWS = (1, 2, 4, 8, 16, 32, 64)
 DECODE_N = (4096, 8192)
@@ -38,6 +39,25 @@ DECODE_N = (4096, 8192)
 ce_mod, ln_mod, rms_mod, sm_mod = (
     importlib.import_module(f"quack.families.{name}.op") for name in ("cross_entropy", "layernorm", "rmsnorm", "softmax")
 )
+
+
+def partial_sum_bytes(call) -> int:
+    """Bytes of a norm backward's fp32 weight-gradient partial rows in one
+    call: each written by the kernel and read back by the sum (BENCHMARKS.md
+    counts them)."""
+    allocated = []
+    allocate = ti.partial_rows
+
+    def recording(*args, **kwargs):
+        allocated.append(allocate(*args, **kwargs))
+        return allocated[-1]
+
+    ti.partial_rows = recording
+    try:
+        call()
+    finally:
+        ti.partial_rows = allocate
+    return sum(2 * p.numel() * p.element_size() for p in allocated)
 
 
 def kernels(m: int, n: int, dtype: torch.dtype) -> dict:
@@ -52,20 +72,22 @@ def kernels(m: int, n: int, dtype: torch.dtype) -> dict:
         "softmax bwd": (lambda: sm_mod.softmax_bwd(y, dy), 3 * two // 2),
         "cross-entropy fwd": (lambda: ce_mod.cross_entropy_fwd(x, target), two // 2),
     }
-    # The norms with a weight (and bias) of x's dtype, and with fp32 ones
-    # beside 16-bit activations (the usual mixed-precision setup).
-    weight_dtypes = {"": dtype} if dtype == torch.float32 else {"": dtype, " w32": torch.float32}
+    # The norms without a weight, with a weight (and bias) of x's dtype, and
+    # with fp32 ones beside 16-bit activations (the usual mixed-precision setup).
+    weight_dtypes = {" no w": None, "": dtype}
+    if dtype != torch.float32:
+        weight_dtypes[" w32"] = torch.float32
     for tag, w_dtype in weight_dtypes.items():
-        w = torch.randn(n, device="cuda", dtype=w_dtype)
+        w = torch.randn(n, device="cuda", dtype=w_dtype) if w_dtype is not None else None
         _, _, rstd = rms_mod.rmsnorm_fwd(x, w)
         _, mean, ln_rstd = ln_mod.layernorm_fwd(x, w, w)
+        ln_bwd = lambda w=w, mean=mean, s=ln_rstd: ln_mod.layernorm_bwd(x, w, dy, mean, s, w is not None)  # noqa: E731
+        rms_bwd = lambda w=w, s=rstd: rms_mod.rmsnorm_bwd(x, w, dy, s, eps=1e-6)  # noqa: E731
         cases.update({
             f"layernorm fwd{tag}": (lambda w=w: ln_mod.layernorm_fwd(x, w, w, store_stats=False), two),
-            f"layernorm bwd{tag}": (
-                lambda w=w, mean=mean, s=ln_rstd: ln_mod.layernorm_bwd(x, w, dy, mean, s, True), 3 * two // 2
-            ),
+            f"layernorm bwd{tag}": (ln_bwd, 3 * two // 2 + partial_sum_bytes(ln_bwd)),
             f"rmsnorm fwd{tag}": (lambda w=w: rms_mod.rmsnorm_fwd(x, w), two),
-            f"rmsnorm bwd{tag}": (lambda w=w, s=rstd: rms_mod.rmsnorm_bwd(x, w, dy, s, eps=1e-6), 3 * two // 2),
+            f"rmsnorm bwd{tag}": (rms_bwd, 3 * two // 2 + partial_sum_bytes(rms_bwd)),
         })
     return cases
 
