@@ -5,6 +5,7 @@ caches (a project checkout given by mistake), whose files are never touched (CPU
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -179,6 +180,23 @@ def test_a_unit_warms_exactly_its_object(tmp_path, calls):
     refused = _tool(tmp_path, f"--out={tmp_path / 'bad'}", f"--unit={not_a_kernel}")
     assert refused.returncode != 0 and "not a compile function of kernel family 'softmax'" in refused.stderr
     assert not (tmp_path / "bad").exists()
+
+
+def test_bazel_run_imports_the_checkout_and_writes_where_the_user_ran_it(tmp_path):
+    """``tools/bazel run //tools:warm_cache``: the script alone in its runfiles
+    (the py_binary has no deps), started in that folder, imports the package
+    from the checkout and takes relative paths from where the user ran it."""
+    unit = _unit_of_forward(SoftmaxCall("float32", 7, 1, False))
+    runfiles, user = tmp_path / "warm_cache.runfiles/_main/tools", tmp_path / "user"
+    runfiles.mkdir(parents=True)
+    user.mkdir()
+    shutil.copy(REPO / "tools/warm_cache.py", runfiles)
+    env = dict(_env(tmp_path), PYTHONPATH="", BUILD_WORKSPACE_DIRECTORY=str(REPO), BUILD_WORKING_DIRECTORY=str(user))
+    tool = subprocess.run([sys.executable, str(runfiles / "warm_cache.py"), "--out=objects", f"--unit={unit.text}"],
+                          env=env, capture_output=True, text=True, timeout=300, cwd=runfiles.parent)
+    assert tool.returncode == 0, tool.stderr
+    assert len(list((user / "objects/softmax").glob("*.o"))) == 1
+    assert not (runfiles.parent / "objects").exists()
 
 
 def test_the_persistent_worker_answers_each_request_from_a_fresh_child(tmp_path):

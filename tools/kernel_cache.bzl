@@ -35,6 +35,12 @@ KernelCacheInfo = provider(
 # configuration, so GPU runners (--config=gpu) hit what CI built (tools/check_gpu_config_keys.sh).
 PINNED_PYTHON = "@quack_python//:py3_runtime"
 
+# The kernel actions' tool: a py_binary built for the exec configuration, whose Python toolchain is
+# the one this module registers (the pinned environment; warm_cache.py refuses any other, as
+# QUACK_REQUIRE_PINNED_ENV asks). Its runfiles are the script and that runtime only: the package's
+# sources are each action's declared inputs, so an edit reruns only the actions that read it.
+WARM_CACHE = "//tools:warm_cache"
+
 # The environment every kernel object is compiled in. The DSL's own file cache would be an input
 # outside the declared ones; bytecode would be written into the sources of an unsandboxed action.
 COMPILE_ENV = {
@@ -70,23 +76,17 @@ def cache_dir_providers(ctx, out):
 
 def _kernel_cache_impl(ctx):
     out = ctx.actions.declare_directory(ctx.attr.name)
-    runtime = ctx.attr._python[PyRuntimeInfo]
 
     args = ctx.actions.args()
-    args.add(ctx.file.warm_cache)
     args.add(out.path, format = "--out=%s")
     args.add(ctx.attr.family, format = "--family=%s")
     args.add_all(ctx.files.tests, format_each = "--tests=%s")
     args.add_all(ctx.files.manifests, format_each = "--configs=%s")
 
     ctx.actions.run(
-        executable = runtime.interpreter,
+        executable = ctx.executable._warm_cache,
         arguments = [args],
-        inputs = depset(
-            ctx.files.srcs + ctx.files.tests + ctx.files.data +
-            ctx.files.manifests + [ctx.file.warm_cache, ctx.file.lock],
-            transitive = [runtime.files],
-        ),
+        inputs = ctx.files.srcs + ctx.files.tests + ctx.files.data + ctx.files.manifests + [ctx.file.lock],
         outputs = [out],
         env = COMPILE_ENV | {
             "QUACK_ARCH": ctx.attr.arch,
@@ -116,8 +116,7 @@ kernel_cache = rule(
         ),
         "srcs": attr.label_list(mandatory = True, allow_files = [".py"], doc = "The family's module plus the shared modules."),
         "tests": attr.label_list(allow_files = [".py"], doc = "Test files that warm the family."),
-        "warm_cache": attr.label(mandatory = True, allow_single_file = [".py"], doc = "tools/warm_cache.py."),
-        "_python": attr.label(default = PINNED_PYTHON, providers = [PyRuntimeInfo]),
+        "_warm_cache": attr.label(default = WARM_CACHE, executable = True, cfg = "exec"),
     },
 )
 
@@ -139,7 +138,7 @@ kernel_cache_set = rule(
     },
 )
 
-def kernel_caches(*, name, families = KERNEL_FAMILIES, shared_srcs, family_srcs, tests, manifests, lock, warm_cache, data = [], arch = "sm_90a", matrix = "ci"):
+def kernel_caches(*, name, families = KERNEL_FAMILIES, shared_srcs, family_srcs, tests, manifests, lock, data = [], arch = "sm_90a", matrix = "ci"):
     """One `kernel_cache` per family, `<name>_<family>`, and their union `<name>`.
 
     Args:
@@ -150,7 +149,6 @@ def kernel_caches(*, name, families = KERNEL_FAMILIES, shared_srcs, family_srcs,
       tests: dict family -> list of test file labels that warm it.
       manifests: manifests of calls to warm beside the tests (each family warms its ops' entries).
       lock: the Python lock file (a declared input: a lock change recompiles everything).
-      warm_cache: tools/warm_cache.py.
       data: other files each run reads (pytest configuration).
       arch: GPU arch, default sm_90a.
       matrix: "ci" (the covering array of each test's correctness matrix), "full" (every case) or
@@ -173,7 +171,6 @@ def kernel_caches(*, name, families = KERNEL_FAMILIES, shared_srcs, family_srcs,
             matrix = matrix,
             srcs = shared_srcs + family_srcs[family],
             tests = tests[family],
-            warm_cache = warm_cache,
         )
     kernel_cache_set(
         name = name,

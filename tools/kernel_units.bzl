@@ -11,7 +11,7 @@ Both are normally created through `unit_caches` (quack/BUILD.bazel).
 """
 
 load("@rules_python//python:defs.bzl", "PyRuntimeInfo")
-load("//tools:kernel_cache.bzl", "CACHE_CLI_ENV", "COMPILE_ENV", "PINNED_PYTHON", "cache_dir_providers", "kernel_cache_set")
+load("//tools:kernel_cache.bzl", "CACHE_CLI_ENV", "COMPILE_ENV", "PINNED_PYTHON", "WARM_CACHE", "cache_dir_providers", "kernel_cache_set")
 load("//tools:kernel_families.bzl", "KERNEL_FAMILIES")
 
 KernelUnitsInfo = provider(
@@ -20,15 +20,7 @@ KernelUnitsInfo = provider(
 )
 
 def _kernel_units_impl(ctx):
-    runtime = ctx.attr._python[PyRuntimeInfo]
-    inputs = depset(
-        ctx.files.srcs + [ctx.file.warm_cache, ctx.file.lock],
-        transitive = [runtime.files],
-    )
-
-    # Everything outside the params file starts the worker (its key): the same for every unit.
-    startup = ctx.actions.args()
-    startup.add(ctx.file.warm_cache)
+    inputs = depset(ctx.files.srcs + [ctx.file.lock])
     trees = {}
     for unit_id, unit in sorted(ctx.attr.units.items()):
         tree = ctx.actions.declare_directory("%s/%s" % (ctx.attr.name, unit_id))
@@ -38,9 +30,11 @@ def _kernel_units_impl(ctx):
         request.add(unit, format = "--unit=%s")
         request.use_param_file("@%s", use_always = True)
         request.set_param_file_format("multiline")
+
+        # Everything outside the params file would start the worker (be its key): nothing does.
         ctx.actions.run(
-            executable = runtime.interpreter,
-            arguments = [startup, request],
+            executable = ctx.executable._warm_cache,
+            arguments = [request],
             inputs = inputs,
             outputs = [tree],
             env = COMPILE_ENV,
@@ -67,8 +61,7 @@ kernel_units = rule(
         "lock": attr.label(mandatory = True, allow_single_file = True, doc = "The Python lock file."),
         "srcs": attr.label_list(mandatory = True, allow_files = [".py"], doc = "The family's package plus the shared modules."),
         "units": attr.string_dict(mandatory = True, doc = "Unit id -> unit JSON (UNITS[family] of tools/kernels/units.bzl)."),
-        "warm_cache": attr.label(mandatory = True, allow_single_file = [".py"], doc = "tools/warm_cache.py."),
-        "_python": attr.label(default = PINNED_PYTHON, providers = [PyRuntimeInfo]),
+        "_warm_cache": attr.label(default = WARM_CACHE, executable = True, cfg = "exec"),
     },
 )
 
@@ -108,7 +101,7 @@ unit_cache = rule(
     },
 )
 
-def unit_caches(*, name, units, selections, selection, shared_srcs, family_srcs, lock, warm_cache, cache_cli, families = KERNEL_FAMILIES, arch = "sm_90a"):
+def unit_caches(*, name, units, selections, selection, shared_srcs, family_srcs, lock, cache_cli, families = KERNEL_FAMILIES, arch = "sm_90a"):
     """A kernel cache per family built from its units, and their union `<name>`.
 
     Per family: `units_<family>` (its kernel_units) and `<name>_<family>` (a selection of them
@@ -123,7 +116,6 @@ def unit_caches(*, name, units, selections, selection, shared_srcs, family_srcs,
       shared_srcs: modules every family may import (the package without any family package).
       family_srcs: dict family -> list of its own modules.
       lock: the Python lock file (a declared input: a lock change recompiles everything).
-      warm_cache: tools/warm_cache.py.
       cache_cli: quack/__init__.py and the quack/cache/ and quack/launch/ modules (the merger).
       families: kernel families; default: KERNEL_FAMILIES (tools/kernel_families.bzl).
       arch: GPU arch, default sm_90a.
@@ -138,7 +130,6 @@ def unit_caches(*, name, units, selections, selection, shared_srcs, family_srcs,
             lock = lock,
             srcs = shared_srcs + family_srcs[family],
             units = units[family],
-            warm_cache = warm_cache,
         )
         if type(selection) == "dict":
             ids = select({setting: selections[family][chosen] for setting, chosen in selection.items()})

@@ -43,11 +43,26 @@ from pathlib import Path
 
 from absl import app, flags, logging
 
-# Python puts this script's folder, symlinks resolved, first on sys.path: in a Bazel action that
-# is the source tree's tools/, which the action does not declare.  Imports come from the folder
-# above this script as the command named it (the execroot in an action, else the checkout).
-ROOT = Path(os.path.abspath(__file__)).parent.parent
+
+def _checkout() -> Path:
+    """Where ``quack`` is imported from: under ``bazel run``, the user's
+    checkout (relative paths then start where the user ran it); in a Bazel
+    action (the //tools:warm_cache py_binary, whose runfiles hold this script
+    alone), the working directory, where the action's declared sources are
+    staged; else the folder above this script as the command named it.
+    Python's own first entry (this script's folder, symlinks resolved: the
+    source tree's tools/, which no action declares) is replaced by it."""
+    if os.environ.get("BUILD_WORKSPACE_DIRECTORY"):
+        return Path(os.environ["BUILD_WORKSPACE_DIRECTORY"])
+    if (Path.cwd() / "quack" / "__init__.py").is_file():
+        return Path.cwd()
+    return Path(os.path.abspath(__file__)).parent.parent
+
+
+ROOT = _checkout()
 sys.path[0] = str(ROOT)
+if os.environ.get("BUILD_WORKING_DIRECTORY"):
+    os.chdir(os.environ["BUILD_WORKING_DIRECTORY"])
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("out", None, "Cache directory to fill: new, empty or a cache folder.", required=True)

@@ -31,9 +31,11 @@ def problems_of(spawn: dict, checkout: str) -> list:
             continue
         if rel not in inputs:
             problems.append("%s: module %s is not a declared input" % (spawn["targetLabel"], rel))
-    for need in ("tools/warm_cache.py", "requirements_lock.txt"):
-        if need not in inputs:
-            problems.append("%s: %s is not a declared input" % (spawn["targetLabel"], need))
+    if "requirements_lock.txt" not in inputs:
+        problems.append("%s: requirements_lock.txt is not a declared input" % spawn["targetLabel"])
+    # The tool, //tools:warm_cache, brings its script in its runfiles.
+    if not any(p.endswith(".runfiles/_main/tools/warm_cache.py") for p in inputs):
+        problems.append("%s: the tool's tools/warm_cache.py is not among its inputs" % spawn["targetLabel"])
     problems += ["%s: reads %s (a kernel action's inputs are sources, its unit and the toolchain)" % (spawn["targetLabel"], p)
                  for p in inputs if p.startswith(("tests/", "tools/configs/", "tools/kernels/"))]
     return problems

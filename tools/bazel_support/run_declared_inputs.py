@@ -9,9 +9,12 @@ their execroot paths, and nothing else; the action's command runs there standalo
 worker) with exactly the action's environment (what `bazel aquery` lists, no HOME, no user
 variables); its output folder must then hold the same files, byte for byte, as Bazel's.
 
-One input lies outside the copy by design: the pinned Python environment. The interpreter shim
-is copied like every other input and finds the environment through the link `env` beside it (as
-it does in Bazel's sandbox), so the copy gets that link, pointing where Bazel's does.
+The action's executable is the //tools:warm_cache py_binary: its runfiles, which the query names
+by a middleman, are copied as Bazel built them (`<tool>.runfiles`, links followed), as an executor
+stages a tool's runfiles. One input lies outside the copy by design: the pinned Python
+environment. The interpreter shim in those runfiles finds the environment through the link `env`
+beside its real path (as in Bazel's sandbox), so the copied shim gets that link, pointing where
+Bazel's does.
 Prints one line per action; exit 0 when every action's objects are identical.
 """
 
@@ -67,7 +70,7 @@ def run_action(query: dict, action: dict, paths: dict[int, str], execroot: Path,
     family = Path(output).parent.name.removeprefix("units_")
     unit = f"{family}/{Path(output).name}"
     root = work / unit
-    inputs = _inputs(query, action, paths)
+    inputs = [rel for rel in _inputs(query, action, paths) if "/_middlemen/" not in rel]
     for rel in inputs:
         dest = root / rel
         dest.parent.mkdir(parents=True, exist_ok=True)
@@ -76,11 +79,17 @@ def run_action(query: dict, action: dict, paths: dict[int, str], execroot: Path,
         dest = root / params["execPath"]
         dest.parent.mkdir(parents=True, exist_ok=True)
         dest.write_text("".join(arg + "\n" for arg in params["arguments"]))
-    shim = action["arguments"][0]
-    env_link = Path(os.path.realpath(execroot / shim)).parent / "env"
-    if not env_link.is_dir():
-        return False, f"{unit}: the interpreter shim {shim} has no environment link beside it ({env_link})"
-    (root / shim).parent.joinpath("env").symlink_to(os.path.realpath(env_link))
+    tool = action["arguments"][0] + ".runfiles"
+    shutil.copytree(execroot / tool, root / tool, symlinks=False)
+    # The folders of the copied runfiles whose originals lie beside an `env` link: the runtime's
+    # (twice where Bazel also keeps the legacy external/ runfiles paths).
+    linked = {copied.parent: Path(os.path.realpath(execroot / copied.relative_to(root))).parent / "env"
+              for copied in (root / tool).rglob("*") if copied.is_file()}
+    linked = {folder: env for folder, env in linked.items() if env.is_dir()}
+    if not linked:
+        return False, f"{unit}: no interpreter shim with an environment link in the tool's runfiles {tool}"
+    for folder, env in linked.items():
+        folder.joinpath("env").symlink_to(os.path.realpath(env))
     (root / output).mkdir(parents=True)
     env = {v["key"]: v["value"] for v in action.get("environmentVariables", [])}
     done = subprocess.run(action["arguments"], cwd=root, env=env, capture_output=True, text=True)
