@@ -47,12 +47,15 @@ class FamilyList:
     units: list["Unit"]  # sorted by id
 
 
-def enumerate_family(family: str, tests: Sequence[str], manifests: Sequence[str], rootdir: Path) -> FamilyList:
+def enumerate_family(family: str, tests: Sequence[str], manifests: Sequence[str], rootdir: Path,
+                     shard: str | None = None) -> FamilyList:
     """Run ``tests`` under ``pytest --compile-only`` and plan the family's
     manifest calls, in this process, noting objects instead of compiling
     them (the selection is QUACK_MATRIX's).  The units are every object of
     the family asked for: the calls' plans, and what a test compiles
-    directly (a kernel's own test calling its compile function)."""
+    directly (a kernel's own test calling its compile function).
+    ``shard`` ("I/N"): the I-th of N interleaved parts of the tests (the
+    manifests in part 0 only); the parts' union is the whole."""
     from quack import warm
     from quack.cache import jit
     from quack.warm import unit_of
@@ -65,9 +68,10 @@ def enumerate_family(family: str, tests: Sequence[str], manifests: Sequence[str]
         settings = {RECORD_ENV: str(record), "QUACK_CACHE_DIR": tmp, "QUACK_CACHE_PATH": None, "QUACK_CACHE_STRICT": None}
         with warm._environment(settings), jit.listing() as asked:
             if tests:
-                warm.warm_tests(tests, rootdir)
+                warm.warm_tests(tests, rootdir, ["--shard", shard] if shard else [])
             calls = manifest.read(record, [family]) if record.exists() else []
-            calls += [sig for _, sig in warm.read_manifests(manifests, {family})]
+            if shard is None or shard.startswith("0/"):
+                calls += [sig for _, sig in warm.read_manifests(manifests, {family})]
             os.environ.pop(RECORD_ENV)
             for sig in calls:
                 with compile_only_mode():
@@ -85,10 +89,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--configs", nargs="*", default=[], help="manifests whose calls of the family to plan")
     parser.add_argument("--rootdir", default=".", help="pytest's root folder")
     parser.add_argument("--out", required=True, help="JSON file to write: {signatures, units}")
+    parser.add_argument("--shard", metavar="I/N", help="the I-th of N interleaved parts of the tests")
     args = parser.parse_args(argv)
 
     os.environ["QUACK_MATRIX"] = args.selection  # read as the tests' cases are collected
-    found = enumerate_family(args.family, args.tests, args.configs, Path(args.rootdir))
+    found = enumerate_family(args.family, args.tests, args.configs, Path(args.rootdir), args.shard)
     result = {"signatures": found.signatures, "units": [unit.text for unit in found.units]}
     Path(args.out).write_text(json.dumps(result, indent=1, sort_keys=True) + "\n")
     return 0

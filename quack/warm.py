@@ -215,14 +215,15 @@ def warm_units(compiles: Sequence[tuple[Unit, Callable[[], Any]]]) -> None:
             compile_it()
 
 
-def warm_tests(test_files: Sequence[str], rootdir: Path) -> None:
-    """``pytest --compile-only`` over ``test_files``, in this process."""
+def warm_tests(test_files: Sequence[str], rootdir: Path, pytest_args: Sequence[str] = ()) -> None:
+    """``pytest --compile-only`` over ``test_files``, in this process
+    (``pytest_args``: more options, such as the plugin's ``--shard``)."""
     import pytest
 
-    log.info("pytest --compile-only %s", " ".join(test_files))
+    log.info("pytest --compile-only %s", " ".join([*pytest_args, *test_files]))
     code = pytest.main(
         ["--compile-only", "-q", "-p", "quack.testing.pytest_plugin", "-p", "no:cacheprovider",
-         "--rootdir", str(rootdir), *test_files]
+         "--rootdir", str(rootdir), *pytest_args, *test_files]
     )
     if code != 0:
         raise SystemExit(f"pytest --compile-only failed with exit code {int(code)}")

@@ -148,6 +148,20 @@ def test_other():
     result.stdout.fnmatch_lines(["*test_on_the_cpu PASSED*", "*test_matrix PASSED*"])
 
 
+def test_shards_split_the_tests_and_together_run_each_once(pytester):
+    pytester.makepyfile(test_inner="".join(f"def test_{i}():\n    pass\n\n" for i in range(5)))
+    ran = []
+    for shard in ("0/2", "1/2"):
+        result = pytester.runpytest_subprocess("-p", "quack.testing.pytest_plugin", "-p", "no:cacheprovider",
+                                               "--shard", shard, "-v")
+        ran += [line.split("::")[1].split()[0] for line in result.outlines if " PASSED" in line]
+    assert ran == ["test_0", "test_2", "test_4", "test_1", "test_3"]
+    for bad in ("2/2", "1", "a/b"):
+        result = pytester.runpytest_subprocess("-p", "quack.testing.pytest_plugin", "--shard", bad)
+        assert result.ret == pytest.ExitCode.USAGE_ERROR
+        result.stderr.fnmatch_lines([f"*--shard takes I/N with 0 <= I < N, got '{bad}'*"])
+
+
 def test_plugin_named_twice_registers_once(pytester):
     """``-p`` and ``pytest_plugins`` (and the entry point, same name) never double-register."""
     pytester.makeconftest('pytest_plugins = ["quack.testing.pytest_plugin"]')

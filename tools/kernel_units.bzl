@@ -14,6 +14,10 @@ load("@rules_python//python:defs.bzl", "PyRuntimeInfo")
 load("//tools:kernel_cache.bzl", "CACHE_CLI_ENV", "COMPILE_ENV", "PINNED_PYTHON", "WARM_CACHE", "cache_dir_providers", "kernel_cache_set")
 load("//tools:kernel_families.bzl", "KERNEL_FAMILIES")
 
+# The command that refreshes the committed kernel lists (tools/kernel_lists.py; --full for the
+# full matrix's).
+REFRESH = "tools/bazel run //tools:kernel_lists -- --update [--full]"
+
 KernelUnitsInfo = provider(
     doc = "One kernel family's unit objects: one directory per unit of the committed kernel list.",
     fields = {"trees": "dict: unit id -> directory File (<family>/<key>.o, .json)"},
@@ -101,36 +105,49 @@ unit_cache = rule(
     },
 )
 
-def unit_caches(*, name, units, selections, selection, shared_srcs, family_srcs, lock, cache_cli, families = KERNEL_FAMILIES, arch = "sm_90a"):
-    """A kernel cache per family built from its units, and their union `<name>`.
-
-    Per family: `units_<family>` (its kernel_units) and `<name>_<family>` (a selection of them
-    merged); `<name>` is the kernel_cache_set of the latter.
+def kernel_unit_sets(*, name, units, shared_srcs, family_srcs, lock, families = KERNEL_FAMILIES, arch = "sm_90a"):
+    """`<name>_<family>`: one kernel_units target per family, every unit of every list.
 
     Args:
-      name: name of the union target (a `kernel_cache_set`).
-      units: dict family -> unit id -> unit JSON (UNITS of tools/kernels/units.bzl).
-      selections: dict family -> selection -> unit ids (SELECTIONS of the same file).
-      selection: which selection each family's cache holds ("ci" or "smoke"); may be a dict of
-        config_setting label -> selection, made into a select().
+      name: prefix of the targets; `unit_caches` finds them as `units_<family>`.
+      units: dict family -> unit id -> unit JSON (UNITS of tools/kernels/units.bzl, and of
+        units_full.bzl: a unit in both is one action).
       shared_srcs: modules every family may import (the package without any family package).
       family_srcs: dict family -> list of its own modules.
       lock: the Python lock file (a declared input: a lock change recompiles everything).
-      cache_cli: quack/__init__.py and the quack/cache/ and quack/launch/ modules (the merger).
       families: kernel families; default: KERNEL_FAMILIES (tools/kernel_families.bzl).
       arch: GPU arch, default sm_90a.
     """
     for family in families:
-        if family not in units or family not in selections:
-            fail("unit_caches(name = %r): family %r has no kernel list: run tools/bazel run //tools:kernel_lists -- --update" % (name, family))
+        if family not in units:
+            fail("kernel_unit_sets: family %r has no kernel list: run %s" % (family, REFRESH))
         kernel_units(
-            name = "units_%s" % family,
+            name = "%s_%s" % (name, family),
             arch = arch,
             family = family,
             lock = lock,
             srcs = shared_srcs + family_srcs[family],
             units = units[family],
         )
+
+def unit_caches(*, name, selections, selection, cache_cli, families = KERNEL_FAMILIES):
+    """A kernel cache per family merged from a selection of its units, and their union `<name>`.
+
+    Per family `<name>_<family>`, a selection of `:units_<family>` (kernel_unit_sets) merged;
+    `<name>` is the kernel_cache_set of those.
+
+    Args:
+      name: name of the union target (a `kernel_cache_set`).
+      selections: dict family -> selection -> unit ids (SELECTIONS of tools/kernels/units.bzl or
+        units_full.bzl).
+      selection: which selection each family's cache holds ("ci", "smoke" or "full"); may be a dict
+        of config_setting label -> selection, made into a select().
+      cache_cli: quack/__init__.py and the quack/cache/ and quack/launch/ modules (the merger).
+      families: kernel families; default: KERNEL_FAMILIES (tools/kernel_families.bzl).
+    """
+    for family in families:
+        if family not in selections:
+            fail("unit_caches(name = %r): family %r has no kernel list: run %s" % (name, family, REFRESH))
         if type(selection) == "dict":
             ids = select({setting: selections[family][chosen] for setting, chosen in selection.items()})
         else:

@@ -69,6 +69,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         default=False,
         help="run GPU tests on fake tensors: compile and export every kernel, launch nothing",
     )
+    parser.addoption(
+        "--shard",
+        default=None,
+        metavar="I/N",
+        help="run only the I-th of N interleaved parts of the collected tests (0 <= I < N): parallel passes",
+    )
     parser.addini(
         ALIAS_INI,
         default="",
@@ -127,6 +133,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if compile_only:
         _mark_tests_asking_for_cuda(config, items)
     _deselect_for_smoke(config, items)
+    _keep_shard(config, items)
     has_gpu = None
     for item in items:
         if compile_only and item.get_closest_marker("no_compile_only"):
@@ -136,6 +143,20 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 has_gpu = _gpu_available()
             if not has_gpu:
                 item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU (none visible)"))
+
+
+def _keep_shard(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """``--shard I/N``: keep every N-th collected test from the I-th on."""
+    shard = config.getoption("--shard")
+    if shard is None:
+        return
+    index, _, count = shard.partition("/")
+    if not (index.isdigit() and count.isdigit() and int(index) < int(count)):
+        raise pytest.UsageError(f"--shard takes I/N with 0 <= I < N, got {shard!r}")
+    index, count = int(index), int(count)
+    dropped = [item for position, item in enumerate(items) if position % count != index]
+    items[:] = [item for position, item in enumerate(items) if position % count == index]
+    config.hook.pytest_deselected(items=dropped)
 
 
 def _mark_tests_asking_for_cuda(config: pytest.Config, items: list[pytest.Item]) -> None:
