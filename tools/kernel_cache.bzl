@@ -113,7 +113,7 @@ kernel_cache_bundle = rule(
     Byte-identical for identical caches (sorted members, fixed metadata); install it anywhere with
     `python -m quack.cache install <name>.tar --into DIR`.""",
     attrs = {
-        "caches": attr.label_list(mandatory = True, providers = [KernelCacheInfo], doc = "kernel_cache or kernel_cache_set targets."),
+        "caches": attr.label_list(mandatory = True, providers = [KernelCacheInfo], doc = "kernel_cache_set targets."),
         "srcs": attr.label_list(mandatory = True, allow_files = [".py"], doc = "quack/__init__.py and the quack/cache/ and quack/launch/ modules (the bundler)."),
         "_python": attr.label(default = PINNED_PYTHON, providers = [PyRuntimeInfo]),
     },

@@ -1,13 +1,14 @@
 """Kernel caches built one object per action, from the committed kernel lists.
 
 `kernel_units` runs one `QuackKernel` action per unit (one object) of the
-committed kernel lists (tools/kernels/units.bzl), whose inputs are the family's sources, the unit
-and the toolchain only (never the tests, the manifests or the lists), run by tools/warm_cache.py as
-a persistent worker where Bazel can (the DSL imported once per worker) and standalone elsewhere.
-`unit_cache` merges a selection of a family's units into the same directory a `kernel_cache`
-writes (`python -m quack.cache merge`), so what consumes the caches cannot tell them apart.
+committed kernel lists (tools/kernels/units.bzl and units_full.bzl), whose inputs are the family's
+sources, the unit and the toolchain only (never the tests, the manifests or the lists), run by the
+//tools:warm_cache tool as a persistent worker where Bazel can (the DSL imported once per worker)
+and standalone elsewhere. `unit_cache` merges a selection of a family's units into one kernel
+cache directory (`python -m quack.cache merge`, with the `manifest.json` a warm run writes).
 
-Both are normally created through `unit_caches` (quack/BUILD.bazel).
+quack/BUILD.bazel creates them through `kernel_unit_sets` (the actions of every list) and
+`unit_caches` (one selection's caches: ci or smoke, full).
 """
 
 load("@rules_python//python:defs.bzl", "PyRuntimeInfo")
@@ -96,7 +97,7 @@ def _unit_cache_impl(ctx):
 
 unit_cache = rule(
     implementation = _unit_cache_impl,
-    doc = "A selection of one family's units merged into one kernel cache directory (as kernel_cache writes).",
+    doc = "A selection of one family's units merged into one kernel cache directory.",
     attrs = {
         "ids": attr.string_list(mandatory = True, doc = "The selected unit ids (SELECTIONS[family][selection]); may be a select()."),
         "srcs": attr.label_list(mandatory = True, allow_files = [".py"], doc = "quack/__init__.py and the quack/cache/ and quack/launch/ modules (the merger)."),
