@@ -68,9 +68,9 @@ def enumerate_family(family: str, tests: Sequence[str], manifests: Sequence[str]
         settings = {RECORD_ENV: str(record), "QUACK_CACHE_DIR": tmp, "QUACK_CACHE_PATH": None, "QUACK_CACHE_STRICT": None}
         with warm._environment(settings), jit.listing() as asked:
             if tests:
-                warm.warm_tests(tests, rootdir, ["--shard", shard] if shard else [])
+                warm.warm_tests(tests, rootdir, ["--quack-shard", shard] if shard else [])
             calls = manifest.read(record, [family]) if record.exists() else []
-            if shard is None or shard.startswith("0/"):
+            if shard is None or int(shard.partition("/")[0]) == 0:
                 calls += [sig for _, sig in warm.read_manifests(manifests, {family})]
             os.environ.pop(RECORD_ENV)
             for sig in calls:

@@ -217,7 +217,7 @@ def warm_units(compiles: Sequence[tuple[Unit, Callable[[], Any]]]) -> None:
 
 def warm_tests(test_files: Sequence[str], rootdir: Path, pytest_args: Sequence[str] = ()) -> None:
     """``pytest --compile-only`` over ``test_files``, in this process
-    (``pytest_args``: more options, such as the plugin's ``--shard``)."""
+    (``pytest_args``: more options, such as the plugin's ``--quack-shard``)."""
     import pytest
 
     log.info("pytest --compile-only %s", " ".join([*pytest_args, *test_files]))

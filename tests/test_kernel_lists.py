@@ -56,7 +56,7 @@ def test_a_list_with_a_line_removed_is_stale(lists, tmp_path, capsys, monkeypatc
 
     diff = script.stale(expected, damaged)
     assert f"+{removed}" in diff and diff.count("\n+") == 1 + diff.count("\n+++")
-    monkeypatch.setattr(script, "current", lambda root, jobs, selections=None: expected)
+    monkeypatch.setattr(script, "current", lambda root, jobs, selections: expected)
     assert script.main(["--check", "--lists", str(damaged)]) == 1
     assert script.REFRESH in capsys.readouterr().err
 
@@ -67,7 +67,14 @@ def test_update_writes_only_its_own_files(lists, tmp_path, monkeypatch):
     folder.mkdir()
     (folder / "README.md").write_text("kept\n")
     (folder / "oldfamily.ci.jsonl").write_text("a family since removed\n")
-    monkeypatch.setattr(script, "current", lambda root, jobs, selections=None: expected)
+    # The full matrix's lists are --full's: an update without it leaves them as they are.
+    full = {"gemm.full.jsonl": "full signatures\n", "units_full.bzl": "UNITS = {}\n"}
+    for name, text in full.items():
+        (folder / name).write_text(text)
+    asked = []
+    monkeypatch.setattr(script, "current", lambda root, jobs, selections: asked.append(selections) or expected)
     assert script.main(["--update", "--lists", str(folder)]) == 0
-    assert sorted(p.name for p in folder.iterdir()) == sorted([*expected, "README.md"])
+    assert asked == [script.SELECTIONS]
+    assert sorted(p.name for p in folder.iterdir()) == sorted([*expected, "README.md", *full])
+    assert all((folder / name).read_text() == text for name, text in full.items())
     assert script.main(["--check", "--lists", str(folder)]) == 0

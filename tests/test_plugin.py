@@ -153,13 +153,13 @@ def test_shards_split_the_tests_and_together_run_each_once(pytester):
     ran = []
     for shard in ("0/2", "1/2"):
         result = pytester.runpytest_subprocess("-p", "quack.testing.pytest_plugin", "-p", "no:cacheprovider",
-                                               "--shard", shard, "-v")
+                                               "--quack-shard", shard, "-v")
         ran += [line.split("::")[1].split()[0] for line in result.outlines if " PASSED" in line]
     assert ran == ["test_0", "test_2", "test_4", "test_1", "test_3"]
     for bad in ("2/2", "1", "a/b"):
-        result = pytester.runpytest_subprocess("-p", "quack.testing.pytest_plugin", "--shard", bad)
+        result = pytester.runpytest_subprocess("-p", "quack.testing.pytest_plugin", "--quack-shard", bad)
         assert result.ret == pytest.ExitCode.USAGE_ERROR
-        result.stderr.fnmatch_lines([f"*--shard takes I/N with 0 <= I < N, got '{bad}'*"])
+        result.stderr.fnmatch_lines([f"*--quack-shard takes I/N with 0 <= I < N, got '{bad}'*"])
 
 
 def test_plugin_named_twice_registers_once(pytester):

@@ -9,7 +9,7 @@ source "$(dirname "${BASH_SOURCE[0]}")/bazel_support/check_lib.sh"
 
 a=$work/a
 copy_checkout "$a"
-query='mnemonic("QuackKernel|QuackCacheMerge|QuackWarmCache|QuackCacheBundle", deps(//quack:warm_cache_bundle + //quack:warm_cache_full_bundle))'
+query='mnemonic("QuackKernel|QuackCacheMerge|QuackCacheBundle", deps(//quack:warm_cache_bundle + //quack:warm_cache_full_bundle))'
 log "aquery, default configuration and --config=gpu ($a, fresh output base)"
 bzl "$a" "$work/base" aquery --output=jsonproto "$query" >"$work/default.json" 2>"$work/default.log" ||
   { cat "$work/default.log" >&2; fail "aquery failed"; }

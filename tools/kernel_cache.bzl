@@ -21,15 +21,16 @@ KernelCacheInfo = provider(
     fields = {"dirs": "depset of directory Files"},
 )
 
-# Kernel and bundle actions always run in the pinned environment (@quack_python), whatever Python
-# toolchain a configuration registers: their keys are then the default build's in every
-# configuration, so GPU runners (--config=gpu) hit what CI built (tools/check_gpu_config_keys.sh).
+# The merge and bundle actions run the pinned environment's interpreter (@quack_python) directly,
+# whatever Python toolchain a configuration registers.
 PINNED_PYTHON = "@quack_python//:py3_runtime"
 
 # The kernel actions' tool: a py_binary built for the exec configuration, whose Python toolchain is
-# the one this module registers (the pinned environment; warm_cache.py refuses any other, as
-# QUACK_REQUIRE_PINNED_ENV asks). Its runfiles are the script and that runtime only: the package's
-# sources are each action's declared inputs, so an edit reruns only the actions that read it.
+# the one this module registers, the pinned environment (--config=gpu registers no other, so GPU
+# runners hit what CI built: tools/check_gpu_config_keys.sh). A build that registers another Python
+# toolchain ahead of it, or another exec platform, compiles with that and gets other keys. The
+# tool's runfiles are the script and that runtime only: the package's sources are each action's
+# declared inputs, so an edit reruns only the actions that read it.
 WARM_CACHE = "//tools:warm_cache"
 
 # The environment every kernel object is compiled in. The DSL's own file cache would be an input

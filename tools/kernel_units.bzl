@@ -65,12 +65,14 @@ kernel_units = rule(
         "family": attr.string(mandatory = True, doc = "Kernel family (quack/families/<family>/)."),
         "lock": attr.label(mandatory = True, allow_single_file = True, doc = "The Python lock file."),
         "srcs": attr.label_list(mandatory = True, allow_files = [".py"], doc = "The family's package plus the shared modules."),
-        "units": attr.string_dict(mandatory = True, doc = "Unit id -> unit JSON (UNITS[family] of tools/kernels/units.bzl)."),
+        "units": attr.string_dict(doc = "Unit id -> unit JSON (UNITS[family] of tools/kernels/units.bzl and units_full.bzl)."),
         "_warm_cache": attr.label(default = WARM_CACHE, executable = True, cfg = "exec"),
     },
 )
 
 def _unit_cache_impl(ctx):
+    if ctx.attr.unlisted:
+        fail("%s: family %r has no kernel list: run %s" % (ctx.label, ctx.attr.unlisted, REFRESH))
     trees = ctx.attr.units[KernelUnitsInfo].trees
     unknown = [unit_id for unit_id in ctx.attr.ids if unit_id not in trees]
     if unknown:
@@ -102,6 +104,7 @@ unit_cache = rule(
         "ids": attr.string_list(mandatory = True, doc = "The selected unit ids (SELECTIONS[family][selection]); may be a select()."),
         "srcs": attr.label_list(mandatory = True, allow_files = [".py"], doc = "quack/__init__.py and the quack/cache/ and quack/launch/ modules (the merger)."),
         "units": attr.label(mandatory = True, providers = [KernelUnitsInfo], doc = "The family's kernel_units target."),
+        "unlisted": attr.string(doc = "A family the lists lack: building this target fails, naming the refresh command."),
         "_python": attr.label(default = PINNED_PYTHON, providers = [PyRuntimeInfo]),
     },
 )
@@ -120,15 +123,13 @@ def kernel_unit_sets(*, name, units, shared_srcs, family_srcs, lock, families = 
       arch: GPU arch, default sm_90a.
     """
     for family in families:
-        if family not in units:
-            fail("kernel_unit_sets: family %r has no kernel list: run %s" % (family, REFRESH))
         kernel_units(
             name = "%s_%s" % (name, family),
             arch = arch,
             family = family,
             lock = lock,
             srcs = shared_srcs + family_srcs[family],
-            units = units[family],
+            units = units.get(family, {}),
         )
 
 def unit_caches(*, name, selections, selection, cache_cli, families = KERNEL_FAMILIES):
@@ -147,17 +148,19 @@ def unit_caches(*, name, selections, selection, cache_cli, families = KERNEL_FAM
       families: kernel families; default: KERNEL_FAMILIES (tools/kernel_families.bzl).
     """
     for family in families:
-        if family not in selections:
-            fail("unit_caches(name = %r): family %r has no kernel list: run %s" % (name, family, REFRESH))
+        # A family the lists lack fails when its cache is built, not when the package loads: the
+        # package must load for `tools/bazel run //tools:kernel_lists -- --update` to run.
+        listed = selections.get(family, {})
         if type(selection) == "dict":
-            ids = select({setting: selections[family][chosen] for setting, chosen in selection.items()})
+            ids = select({setting: listed.get(chosen, []) for setting, chosen in selection.items()})
         else:
-            ids = selections[family][selection]
+            ids = listed.get(selection, [])
         unit_cache(
             name = "%s_%s" % (name, family),
             ids = ids,
             srcs = cache_cli,
             units = ":units_%s" % family,
+            unlisted = "" if family in selections else family,
         )
     kernel_cache_set(
         name = name,

@@ -4,8 +4,9 @@ Enable it with ``-p quack.testing.pytest_plugin``, with
 ``pytest_plugins = ["quack.testing.pytest_plugin"]`` in a conftest, or through
 the ``pytest11`` entry point of the installed package (all three register it
 under the same name, so it is never registered twice).  Nothing it adds
-changes a run without ``--compile-only`` but its own marker, so installing it
-leaves other projects' suites alone.
+changes a run without ``--compile-only`` or ``--quack-shard I/N`` (the I-th of
+N interleaved parts of the tests, for parallel enumerations) but its own
+marker, so installing it leaves other projects' suites alone.
 
 Markers:
 
@@ -70,7 +71,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="run GPU tests on fake tensors: compile and export every kernel, launch nothing",
     )
     parser.addoption(
-        "--shard",
+        "--quack-shard",
         default=None,
         metavar="I/N",
         help="run only the I-th of N interleaved parts of the collected tests (0 <= I < N): parallel passes",
@@ -146,13 +147,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def _keep_shard(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """``--shard I/N``: keep every N-th collected test from the I-th on."""
-    shard = config.getoption("--shard")
+    """``--quack-shard I/N``: keep every N-th collected test from the I-th on."""
+    shard = config.getoption("--quack-shard")
     if shard is None:
         return
     index, _, count = shard.partition("/")
     if not (index.isdigit() and count.isdigit() and int(index) < int(count)):
-        raise pytest.UsageError(f"--shard takes I/N with 0 <= I < N, got {shard!r}")
+        raise pytest.UsageError(f"--quack-shard takes I/N with 0 <= I < N, got {shard!r}")
     index, count = int(index), int(count)
     dropped = [item for position, item in enumerate(items) if position % count != index]
     items[:] = [item for position, item in enumerate(items) if position % count == index]
