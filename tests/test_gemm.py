@@ -46,10 +46,12 @@ def _cu(lengths):
 # contiguous), the output dtype, dense or grouped by cu_seqlens_m (with empty
 # groups, groups of 1-3 rows, large groups), which gradients autograd takes
 # (B is the parameter), and the GEMM's size classes:
-# M: none, one row, a partial 128-row tile, many tiles (for grouped calls, the
-#    total over the groups);
+# M: none, one row, two, around the 64-row tile of the split-K class of a
+#    few rows (63, 64, 65), a partial 128-row tile, many tiles (for grouped
+#    calls, the total over the groups);
 # K: none (zeros), one 8-wide step (below the 64-wide k-tile), an odd
-#    multiple of 8 below one k-tile and above it, many k-tiles;
+#    multiple of 8 below one k-tile and above it, many k-tiles, and 65 of
+#    them (split K: its splits of unequal lengths);
 # N: 8, the 128-wide tile exactly and one step past it, around the 256-wide
 #    tile (264) and two of them plus a step (520).
 TABLE = {
@@ -59,8 +61,8 @@ TABLE = {
     "out_dtype": [None, torch.bfloat16, torch.float16, torch.float32],
     "grouping": ["dense", "varlen_empty", "varlen_tiny", "varlen_large"],
     "mode": list(matrix.MODES),
-    "m": [0, 1, 200, 1000],
-    "k": [0, 8, 24, 72, 1096],
+    "m": [0, 1, 2, 63, 64, 65, 200, 1000],
+    "k": [0, 8, 24, 72, 1096, 4104],
     "n": [8, 128, 136, 264, 520],
 }
 CASES = matrix.cases(TABLE, paired=list(TABLE))
@@ -141,8 +143,8 @@ TABLE_EPILOGUE = {
     "bias": [None, "same", "fp32"],
     "grouping": ["dense", "varlen_tiny"],
     "mode": list(matrix.MODES),
-    "m": [1, 200, 1000],
-    "k": [8, 1096],
+    "m": [1, 40, 200, 1000],
+    "k": [8, 1096, 4104],
     "n": [8, 136, 520],
 }
 CASES_EPILOGUE = matrix.cases(TABLE_EPILOGUE, paired=list(TABLE_EPILOGUE)[:5])
@@ -230,8 +232,8 @@ TABLE_GLU = {
     "b_layout": ["row", "col"],
     "grouping": ["dense", "varlen_tiny"],
     "mode": list(matrix.MODES),
-    "m": [1, 200, 1000],
-    "k": [8, 1096],
+    "m": [1, 40, 200, 1000],
+    "k": [8, 1096, 4104],
     "n": [8, 136, 264],
 }
 CASES_GLU = matrix.cases(TABLE_GLU, paired=list(TABLE_GLU)[:5])

@@ -53,6 +53,17 @@ interleaved gate and up columns, g * up * act'(gate) and g * act(gate):
 each lane's D columns 2 j and 2 j + 1 need g_j from the lane holding it
 (two shuffles), D laid out as a double-width MMA's (tile_n at most 128).
 
+Split K (``cfg.split_k``, dense only): ``workspace`` (S, W) fp32 gives the
+split count S, and each output tile becomes S work items that contract over
+consecutive ranges of K's 64-column steps (numbered with the split fastest,
+so a tile's splits run side by side).  Every split stores its fp32
+accumulators to its own slot of the workspace and counts itself in the
+tile's ``counters`` entry; the split that counts last sums the S slots in
+split order (so the bits do not depend on which split finished last),
+resets the counter to zero for the next launch, and runs the epilogue; the
+others store nothing else.  No split waits for another.  For a problem whose
+tiles alone leave most SMs idle (a few rows of tokens times a weight).
+
 Nothing here depends on M, N, K or the number of groups: they are dynamic, so
 one compiled object serves every problem size (see ``quack/families/gemm/signature.py``).
 """
@@ -144,8 +155,8 @@ class SharedTensors(NamedTuple):
 
 class Work(NamedTuple):
     """What every role needs to walk the same work items (``schedule.py``):
-    the groups, the problem's rows and K columns, the grid of clusters, and
-    this CTA's place in its cluster."""
+    the groups, the problem's rows and K columns, the grid of clusters, this
+    CTA's place in its cluster, and the split count (1 without split K)."""
 
     cu_seqlens: Optional[cute.Tensor]
     num_groups: Int32
@@ -156,6 +167,7 @@ class Work(NamedTuple):
     cluster_count: Int32  # the stride between its items
     cta_m: Int32
     cta_n: Int32
+    splits: Int32
 
 
 class Tile(NamedTuple):
@@ -170,6 +182,17 @@ class Tile(NamedTuple):
     k_start: Int32  # first K column
     k_len: Int32  # K columns
     k_lead: Int32  # leading K columns outside the group (varlen K)
+    split: Int32  # which of the tile's K ranges (split K; else 0)
+    slot: Int32  # the tile's number among the launch's tiles (split K: its workspace slot and counter)
+
+
+class SplitK(NamedTuple):
+    """Split K's global state (see the module docstring): the (S, W) fp32
+    partial sums, one (tile_m * tile_n) slot of W per tile, and one int32
+    counter per tile, zero between launches.  Both None without split K."""
+
+    workspace: Optional[cute.Tensor]
+    counters: Optional[cute.Tensor]
 
 
 class SubtileTarget(NamedTuple):
@@ -249,7 +272,9 @@ class HopperGemm:
     ``d`` (M, N) N-contiguous; ``cu_seqlens`` (L + 1,) int32 or None (dense,
     L = 1); ``max_clusters`` the number of clusters that fit on the device at
     once.  With ``varlen_k``: L = 1, ``cu_seqlens`` (G + 1,) splits K, and
-    ``d`` is (G * M, N), the G products stacked.  ``bias`` (N,) or None;
+    ``d`` is (G * M, N), the G products stacked.  ``workspace`` (S, W)
+    fp32 and ``counters`` (W / (tile_m * tile_n),) int32, zeros, with
+    ``split_k`` (both None otherwise); ``bias`` (N,) or None;
     ``preact`` like ``d`` or None (``ACTIVATIONS`` names the activations).
     A gated ``activation`` (``GATED``) makes ``d`` (M, N / 2) and ``preact``
     (M, N) for a B of N interleaved gate and up columns; a derivative
@@ -271,6 +296,9 @@ class HopperGemm:
         self.cluster_m = cfg.cluster_m
         self.cluster_n = cfg.cluster_n
         self.band = cfg.band
+        self.split_k = cfg.split_k
+        if self.split_k and varlen_k:
+            raise ValueError("split K is for dense GEMMs: varlen K already splits K by groups")
         self.b_n_major = b_n_major
         self.consumer_warpgroups = tile_m // 64
         self.threads = cta_threads(tile_m)
@@ -287,7 +315,7 @@ class HopperGemm:
     @cute.jit
     def __call__(self, a: cute.Tensor, b: cute.Tensor, d: cute.Tensor, cu_seqlens: Optional[cute.Tensor],
                  bias: Optional[cute.Tensor], preact: Optional[cute.Tensor], max_clusters: Int32,
-                 stream: cuda.CUstream):
+                 workspace: Optional[cute.Tensor], counters: Optional[cute.Tensor], stream: cuda.CUstream):
         # A as (M, K) and B as (N, K, L), the operand order of the MMA.
         if const_expr(self.a_m_major):
             a = cute.make_tensor(a.iterator, cute.select(a.layout, mode=[1, 0]))
@@ -326,6 +354,8 @@ class HopperGemm:
         @cute.struct
         class SharedStorage:
             barriers: cute.struct.MemRange[cutlass.Int64, self.stages * 2]
+            # (Within the barriers' padding: the split K finalizer's flag.)
+            split_flag: cute.struct.MemRange[Int32, 2]
             sa: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(sa_layout)], 1024]
             sb: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(sb_layout)], 1024]
             sd: cute.struct.Align[cute.struct.MemRange[self.d_dtype, cute.cosize(sd_layout)], 1024]
@@ -344,12 +374,16 @@ class HopperGemm:
             m_bound = m_bound * num_groups
         elif const_expr(cu_seqlens is not None):
             m_bound = (a.shape[0] + num_groups * (cluster_rows - 1)) // cluster_rows
-        clusters = cutlass.max(cutlass.min(m_bound * n_clusters, max_clusters), 1)
+        splits = Int32(1)
+        if const_expr(self.split_k):
+            splits = workspace.shape[0]
+        clusters = cutlass.max(cutlass.min(m_bound * n_clusters * splits, max_clusters), 1)
         # (The kernel's parameters in this order: the order fixes its parameter
         # buffer, and the leading ones its mangled name.)
         self.kernel(
             tma_a, ta, tma_b, tb, TmaStore(tma_d, td, d), cu_seqlens, bias, TmaStore(tma_p, tp, preact),
             KernelLayouts(tiled_mma, out_mma, sa_layout, sb_layout, sd_layout), n_clusters, num_groups,
+            SplitK(workspace, counters), splits,
         ).launch(
             grid=(self.cluster_m, self.cluster_n, clusters),
             block=(self.threads, 1, 1),
@@ -391,7 +425,7 @@ class HopperGemm:
     @cute.kernel
     def kernel(self, tma_a: cute.CopyAtom, ta: cute.Tensor, tma_b: cute.CopyAtom, tb: cute.Tensor, d: TmaStore,
                cu_seqlens: Optional[cute.Tensor], bias: Optional[cute.Tensor], preact: TmaStore,
-               layouts: KernelLayouts, n_clusters: Int32, num_groups: Int32):
+               layouts: KernelLayouts, n_clusters: Int32, num_groups: Int32, split: SplitK, splits: Int32):
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == 0:
@@ -438,6 +472,7 @@ class HopperGemm:
             cluster_count=cute.arch.grid_dim()[2],
             cta_m=cta_m,
             cta_n=cta_n,
+            splits=splits,
         )
         pipeline.pipeline_init_wait(cluster_shape_mn=cluster_layout)
 
@@ -448,8 +483,8 @@ class HopperGemm:
                 self._produce(TmaLoads(tma_a, ta, tma_b, tb), smem, mainloop, work)
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGISTERS)
-            self._consume(layouts, EpilogueOperands(d, bias, preact), smem, mainloop, work,
-                          tidx - THREADS_PER_WARPGROUP, warp_idx)
+            self._consume(layouts, EpilogueOperands(d, bias, preact), smem, mainloop, work, split,
+                          storage.split_flag.get_tensor(cute.make_layout(2)), tidx - THREADS_PER_WARPGROUP, warp_idx)
 
     @cute.jit
     def _tile(self, work: Work, item, cursor):
@@ -463,6 +498,11 @@ class HopperGemm:
         predicated store."""
         tile_m = self.tile_mnk[0]
         cu_seqlens, num_groups, total_rows = work.cu_seqlens, work.num_groups, work.total_rows
+        split = Int32(0)
+        if const_expr(self.split_k):
+            # Work items number (tile, split) pairs, the split fastest.
+            split = item % work.splits
+            item = item // work.splits
         if const_expr(self.varlen_k):
             # Every group has all M rows; only its K range differs.
             m_clusters = (total_rows + (tile_m * self.cluster_m - 1)) // (tile_m * self.cluster_m)
@@ -486,6 +526,8 @@ class HopperGemm:
             group, first_item, m_clusters = cursor.group, cursor.first_item, cursor.m_clusters
             row_start, rows = cursor.row_start, cursor.rows
             k_start, k_len, k_lead = Int32(0), work.total_k, Int32(0)
+            if const_expr(self.split_k):
+                k_start, k_len = _split_range(work.total_k, split, work.splits)
         # max(.., 1): an exhausted cursor (group == num_groups) has no M clusters.
         m_cluster, n_cluster = tile_in_group(item - first_item, cutlass.max(m_clusters, 1), work.n_clusters,
                                              self.band)
@@ -499,7 +541,8 @@ class HopperGemm:
         a_row = tile_row if const_expr(self.varlen_k) else row_start + tile_row
         tile = Tile(valid=group < num_groups, group=group, a_row=a_row, d_row=row_start + tile_row,
                     rows_left=rows_left, n_tile=n_cluster * self.cluster_n + work.cta_n, k_start=k_start,
-                    k_len=k_len, k_lead=k_lead)
+                    k_len=k_len, k_lead=k_lead, split=split,
+                    slot=item * (self.cluster_m * self.cluster_n) + work.cta_n * self.cluster_m + work.cta_m)
         return cursor, tile
 
     @cute.jit
@@ -541,9 +584,10 @@ class HopperGemm:
 
     @cute.jit
     def _consume(self, layouts: KernelLayouts, operands: EpilogueOperands, smem: SharedTensors,
-                 mainloop: pipeline.PipelineTmaAsync, work: Work, tidx, warp_idx):
+                 mainloop: pipeline.PipelineTmaAsync, work: Work, split: SplitK, split_flag, tidx, warp_idx):
         """Consumer warpgroups (``tidx`` counts their threads): WGMMA over the
-        stages, then the epilogue."""
+        stages, then the epilogue (with split K, only the tile's last split
+        to finish runs it, on the sum of the splits)."""
         tiled_mma = layouts.tiled_mma
         sa, sb = smem.a, smem.b
         thr_mma = tiled_mma.get_slice(tidx)
@@ -603,10 +647,53 @@ class HopperGemm:
                 mainloop.consumer_release(release_state)
                 release_state.advance()
 
-            stores = self._epilogue(regs, gated, operands, smem.bias, tile, sync, stores)
+            if const_expr(self.split_k):
+                if self._split_sum(acc, split, tile, work.splits, split_flag, tidx):
+                    stores = self._epilogue(regs, gated, operands, smem.bias, tile, sync, stores)
+            else:
+                stores = self._epilogue(regs, gated, operands, smem.bias, tile, sync, stores)
             item = item + work.cluster_count
             cursor, tile = self._tile(work, item, cursor)
         store_pipe.producer_tail()
+
+    @cute.jit
+    def _split_sum(self, acc, split: SplitK, tile: Tile, splits, flag, tidx):
+        """Split K's hand-off (see the module docstring): store this split's
+        accumulators to its workspace slot and count it; True for the split
+        that counted last, whose ``acc`` then holds the sum of all S slots,
+        added in split order.  One split alone keeps its accumulators."""
+        last = Boolean(True)
+        if splits > 1:
+            # Thread t's value v at v * threads + t: each store and load of a
+            # warp covers consecutive words.
+            threads = self.consumer_threads
+            slot = split.workspace[tile.split, None]
+            base = tile.slot * (self.tile_mnk[0] * self.tile_mnk[1]) + tidx
+            barrier = pipeline.NamedBarrier(barrier_id=EPILOGUE_BARRIER_ID, num_threads=threads)
+            for v in cutlass.range_constexpr(cute.size(acc)):
+                slot[base + v * threads] = acc[v]
+            cute.arch.fence_acq_rel_gpu()  # this thread's partial sums, before the count below
+            barrier.arrive_and_wait()
+            if tidx == 0:
+                counter = split.counters.iterator + tile.slot
+                arrived = cute.arch.atomic_add(counter, Int32(1), sem="acq_rel", scope="gpu")
+                is_last = arrived == splits - 1
+                if is_last:
+                    cute.arch.store(counter, Int32(0))  # every split has counted: ready for the next launch
+                flag[0] = Int32(is_last)
+            barrier.arrive_and_wait()
+            last = flag[0] != 0
+            if last:
+                cute.arch.fence_acq_rel_gpu()  # the other splits' partial sums, after their counts
+                # (cg: from L2, where the other SMs' stores went, never a stale L1 line.)
+                first = split.workspace[0, None].iterator + base
+                for v in cutlass.range_constexpr(cute.size(acc)):
+                    acc[v] = cute.arch.load(first + v * threads, cutlass.Float32, cop="cg")
+                for s in cutlass.range(1, splits, unroll=1):
+                    ptr = split.workspace[s, None].iterator + base
+                    for v in cutlass.range_constexpr(cute.size(acc)):
+                        acc[v] = acc[v] + cute.arch.load(ptr + v * threads, cutlass.Float32, cop="cg")
+        return last
 
     @cute.jit
     def _epilogue_registers(self, layouts: KernelLayouts, sd, thr_mma, acc, tidx):
@@ -880,6 +967,18 @@ def epilogue_copy(tiled_mma, d_major, d_dtype):
         sm90.get_smem_store_op(d_major, elem_ty_d=d_dtype, elem_ty_acc=cutlass.Float32),
         cute.make_tiled_copy_C_atom(store_atom, tiled_mma),
     )
+
+
+def _split_range(total_k, split, splits):
+    """(first K column, K columns) of ``split`` of ``splits``: consecutive
+    ranges of whole 64-column steps, the first ``steps % splits`` ranges one
+    step longer; a split past the steps gets none (and sums zeros)."""
+    steps = (total_k + (TILE_K - 1)) // TILE_K
+    base, extra = steps // splits, steps % splits
+    first = split * base + cutlass.min(split, extra)
+    count = base + Int32(split < extra)
+    k_start = first * TILE_K
+    return k_start, cutlass.max(cutlass.min(count * TILE_K, total_k - k_start), 0)
 
 
 def _tma_load(atom, src, dst, barrier, mask, multicast: int):

@@ -38,7 +38,9 @@ from quack.compile_only import differentiable_outputs
 from quack.families.gemm.autograd import GemmFunction
 from quack.families.gemm.config import resident_clusters
 from quack.families.gemm.operands import call_operands, check_gemm
-from quack.families.gemm.product import check_alignment, product
+from quack.families.gemm.operands import columns
+from quack.families.gemm.product import check_alignment, product, run_role
+from quack.families.gemm.split import split_buffers, split_plan
 from quack.families.gemm.signature import signature_of
 
 # This op's eager fast path (quack/calls/fastpath.py).
@@ -107,7 +109,7 @@ def _call(A, B, out_dtype, cu_seqlens_m, cu_seqlens_k, bias, activation, describ
     # The closure passes A and B as they come: not for a copy, an M-major A or an empty product.
     if (described is not None and plan is not None and not stores_for_backward and cu is None
             and not ops.a_m_major and not ops.empty and ops.a is A and ops.b3.data_ptr() == B.data_ptr()):
-        _FAST.remember(described, lambda: _dense_closure(plan, ops.b3, out))
+        _FAST.remember(described, lambda: _dense_closure(plan, run_role(plan, ops), ops, out))
     return differentiable_outputs(out, stores_for_backward)
 
 
@@ -120,18 +122,33 @@ def _out_dtype_code(out_dtype) -> int:
     return _OUT_DTYPE_CODES.get(out_dtype, -1) if out_dtype is None or isinstance(out_dtype, torch.dtype) else -1
 
 
-def _dense_closure(plan: Plan, b3: torch.Tensor, out: torch.Tensor):
+def _dense_closure(plan: Plan, role: str, ops, out: torch.Tensor):
     """The eager fast path's launch for dense calls like this one
-    (``quack/calls/fastpath.py``): the same shapes and strides, so B's view and
-    the grid are this call's."""
-    launch = fastpath.direct(plan, "dense", out.device)
+    (``quack/calls/fastpath.py``): the same shapes and strides, so B's view,
+    the grid and the K split are this call's (the split's buffers are the
+    current stream's, looked up per call)."""
+    launch = fastpath.direct(plan, role, out.device)
     if launch is None:
         return None
-    b_shape, b_strides = tuple(b3.shape), b3.stride()
+    b_shape, b_strides = tuple(ops.b3.shape), ops.b3.stride()
     out_shape, out_dtype, device = tuple(out.shape), out.dtype, out.device
     empty = torch.empty
-    max_clusters = resident_clusters(plan.signature.config("dense"), out.device)
-    rest = fastpath.trailing_arguments(plan, "dense", ("a", "b", "d"), max_clusters=max_clusters)
+    cfg = plan.signature.config(role)
+    max_clusters = resident_clusters(cfg, out.device)
+    rest = fastpath.trailing_arguments(plan, role, ("a", "b", "d"), max_clusters=max_clusters)
+    if cfg.split_k:
+        split = split_plan(cfg, out_shape[0], columns(ops.b3, ops.b_n_major), ops.a.shape[1], max_clusters)
+        # (The kernel takes workspace and counters side by side.)
+        at = plan.kernel_of(role).launch.parameters.index("workspace") - 3
+        before, after = rest[:at], rest[at + 2:]
+
+        def run_split(A, B, _cu_m, _cu_k, _out_dtype_code):  # the key fixed these
+            out = empty(out_shape, device=device, dtype=out_dtype)
+            workspace, counters = split_buffers(cfg, split, device)
+            done = launch(A, B.as_strided(b_shape, b_strides), out, *before, workspace, counters, *after)
+            return out if done is None else NotImplemented
+
+        return run_split
 
     def run(A, B, _cu_m, _cu_k, _out_dtype_code):  # the key fixed these
         out = empty(out_shape, device=device, dtype=out_dtype)

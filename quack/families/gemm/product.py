@@ -13,10 +13,11 @@ from quack.calls import torch_interop as ti
 from quack.calls.cute_op import cute_op
 from quack.calls.plan import Kernel, Plan, plan_for
 from quack.compile_only import is_compile_only
-from quack.families.gemm.config import GemmConfig, group_class, kernel_grouping, resident_clusters
+from quack.families.gemm.config import GemmConfig, dense_class, group_class, kernel_grouping, resident_clusters
 from quack.families.gemm.epilogue import TORCH_ACTIVATIONS, parse_epilogue
-from quack.families.gemm.operands import Operands, check_tma
+from quack.families.gemm.operands import Operands, check_tma, columns
 from quack.families.gemm.signature import GEMM, compile_gemm, plan_of, signature_of
+from quack.families.gemm.split import split_buffers, split_plan
 
 
 def product(ops: Operands, cu, plan: Optional[Plan] = None, warm_empty: bool = True) -> torch.Tensor:
@@ -72,12 +73,19 @@ def _run(plan: Plan, ops: Operands, cu_seqlens) -> None:
     if is_compile_only():
         plan.warm()
         return
-    role = plan.signature.grouping
-    if role == "varlen_m":
-        role = group_class(ops.a.shape[0] / max(1, ops.b3.shape[0]))
+    role = run_role(plan, ops)
     a = ops.a.t() if ops.a_m_major else ops.a  # the kernel takes an M-contiguous A as (K, M)
     _launch(plan.kernel_of(role), plan.signature.config(role), a, ops.b3, ops.out.flatten(0, -2),
-            cu_seqlens, ops.bias, ops.preact)
+            cu_seqlens, ops.bias, ops.preact, (ops.a.shape[1], columns(ops.b3, ops.b_n_major)))
+
+
+def run_role(plan: Plan, ops: Operands) -> str:
+    """The role of the plan's object that runs this call: the grouping's,
+    or the class of its size (group rows or M)."""
+    grouping = plan.signature.grouping
+    if grouping == "varlen_m":
+        return group_class(ops.a.shape[0] / max(1, ops.b3.shape[0]))
+    return dense_class(ops.a.shape[0]) if grouping == "dense" else grouping
 
 
 @cute_op("quack::gemm", mutates_args=("out", "preact"))
@@ -96,15 +104,28 @@ def _gemm(a: torch.Tensor, b3: torch.Tensor, out: torch.Tensor, cu_seqlens: Opti
     _run(plan_for(signature_of(ops, backward)), ops, cu_seqlens)
 
 
-def launch_gemm(a, b3, out, cu_seqlens, b_n_major: bool, cfg: GemmConfig, a_m_major: bool = False) -> None:
+def launch_gemm(a, b3, out, cu_seqlens, b_n_major: bool, cfg: GemmConfig, a_m_major: bool = False,
+                splits: Optional[int] = None) -> None:
     """Run a configuration of the caller's choice on validated operands
-    (tools/bench/gemm_configs.py compares them; the op runs its plan's)."""
+    (tools/bench/gemm_configs.py compares them; the op runs its plan's),
+    with ``splits`` K splits where ``cfg.split_k`` (None: ``split_count``'s)."""
     args = (ti.dtype_name(a.dtype), ti.dtype_name(out.dtype), a_m_major, b_n_major, kernel_grouping(out, cu_seqlens),
             None, None, False, tuple(cfg))
-    _launch(Kernel(compile_gemm, args, GEMM), cfg, a.t() if a_m_major else a, b3, out.flatten(0, -2), cu_seqlens)
+    _launch(Kernel(compile_gemm, args, GEMM), cfg, a.t() if a_m_major else a, b3, out.flatten(0, -2), cu_seqlens,
+            problem_kn=(a.shape[1], columns(b3, b_n_major)), splits=splits)
 
 
-def _launch(kernel: Kernel, cfg: GemmConfig, a, b3, out, cu_seqlens, bias=None, preact=None) -> None:
-    """Launch on the kernel's views (an M-contiguous A as (K, M))."""
-    kernel.run(a=a, b=b3, d=out, cu_seqlens=cu_seqlens, bias=bias, preact=preact,
-               max_clusters=resident_clusters(cfg, a.device))
+def _launch(kernel: Kernel, cfg: GemmConfig, a, b3, out, cu_seqlens, bias=None, preact=None,
+            problem_kn: tuple[int, int] = (0, 0), splits: Optional[int] = None) -> None:
+    """Launch on the kernel's views (an M-contiguous A as (K, M)); a
+    split-K configuration gets its splits' buffers on the current stream
+    (``problem_kn``: the product's K and B's N)."""
+    max_clusters = resident_clusters(cfg, a.device)
+    workspace = counters = None
+    if cfg.split_k and not is_compile_only():  # (compile-only: the launch is a no-op)
+        split = split_plan(cfg, out.shape[0], problem_kn[1], problem_kn[0], max_clusters)
+        if splits is not None:
+            split = split._replace(splits=splits)
+        workspace, counters = split_buffers(cfg, split, a.device)
+    kernel.run(a=a, b=b3, d=out, cu_seqlens=cu_seqlens, bias=bias, preact=preact, max_clusters=max_clusters,
+               workspace=workspace, counters=counters)

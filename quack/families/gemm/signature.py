@@ -6,7 +6,8 @@ The compiled object depends on the dtypes, A's and B's layouts, the grouping
 or G: those are dynamic, so one object serves every problem size and
 compile-only warming works from tests that size their inputs with
 ``.item()`` on fake tensors.  A varlen-M call's plan holds the objects of
-both classes of group size (``config.GROUP_CLASSES``)."""
+both classes of group size (``config.GROUP_CLASSES``), a dense one those of
+both classes of M (``config.DENSE_CLASSES``)."""
 
 from __future__ import annotations
 
@@ -18,8 +19,8 @@ from quack.cache import compile_options, jit_cache
 from quack.calls import torch_interop as ti
 from quack.calls.launches import Launch, in_order
 from quack.calls.plan import Kernel, Plan, Signature, blame, fake_tensor, plan_for, signature, torch_dtype
-from quack.families.gemm.config import (ALIGN_ELEMENTS, GROUP_CLASSES, GROUPINGS, GemmConfig, gemm_config,
-                                        weight_grad_grouping)
+from quack.families.gemm.config import (ALIGN_ELEMENTS, DENSE_CLASSES, GROUP_CLASSES, GROUPINGS, GemmConfig,
+                                        gemm_config, weight_grad_grouping)
 from quack.families.gemm.dact import activation_grad_kernel
 from quack.families.gemm.epilogue import DERIVATIVES, GATED, check_activation, parse_epilogue
 from quack.families.gemm.operands import (Operands, call_operands, check_call, check_epilogue, check_gemm,
@@ -39,6 +40,7 @@ def compile_gemm(ab_dtype: str, d_dtype: str, a_m_major: bool, b_n_major: bool, 
     weight gradient); ``b_n_major``: B's N dimension is; ``grouping``: one of
     ``GROUPINGS``; the epilogue's activation, bias dtype (None: no bias) and
     whether it also stores the pre-activation (for a backward)."""
+    import cutlass
     import cutlass.cute as cute
     from cutlass import Int32
 
@@ -68,9 +70,13 @@ def compile_gemm(ab_dtype: str, d_dtype: str, a_m_major: bool, b_n_major: bool, 
     grouped = grouping != "dense"
     cu = compact(Int32, (cute.sym_int(),), assumed_align=4) if grouped else None
     bias = compact(ti.cute_dtype(bias_dtype), (n,), assumed_align=4) if bias_dtype else None
+    workspace = counters = None
+    if cfg.split_k:
+        workspace = compact(cutlass.Float32, (cute.sym_int(), cute.sym_int()), assumed_align=16)
+        counters = compact(Int32, (cute.sym_int(),), assumed_align=4)
     kernel = HopperGemm(cfg, a_m_major, b_n_major, varlen_k=grouping == "varlen_k", activation=activation)
     fakes = dict(a=a, b=b, d=d, cu_seqlens=cu, bias=bias, preact=preact, max_clusters=Int32(1),
-                 stream=cute.runtime.make_fake_stream())
+                 workspace=workspace, counters=counters, stream=cute.runtime.make_fake_stream())
     return cute.compile(kernel, *in_order(HopperGemm, fakes), options=compile_options())
 
 
@@ -103,7 +109,8 @@ class GemmCall(Signature):
         store_preact = self.backward and self.activation is not None
         args = (self.ab_dtype, self.out_dtype, self.a_m_major, self.b_n_major, self.grouping, self.activation,
                 self.bias_dtype, store_preact)
-        roles = [role for role, _ in GROUP_CLASSES] if self.grouping == "varlen_m" else [self.grouping]
+        roles = {"varlen_m": [role for role, _ in GROUP_CLASSES], "dense": DENSE_CLASSES}.get(
+            self.grouping, [self.grouping])
         own = tuple((role, Kernel(compile_gemm, (*args, tuple(self.config(role))), GEMM)) for role in roles)
         # The backward's products are GEMM calls of their own, listed here so
         # that warming this call warms them too; with an activation, the
@@ -119,8 +126,9 @@ class GemmCall(Signature):
 
     def config(self, role: str) -> GemmConfig:
         """The tile configuration of this call's own object ``role``: the
-        grouping's, or for grouped rows a class of ``GROUP_CLASSES``."""
-        return gemm_config(self.tile_n, dict(GROUP_CLASSES).get(role))
+        grouping's, or a class of ``GROUP_CLASSES`` (grouped rows) or of
+        ``DENSE_CLASSES``."""
+        return gemm_config(self.tile_n, dict(GROUP_CLASSES).get(role), small_m=role == DENSE_CLASSES[1])
 
     def gradient_calls(self) -> tuple[tuple[str, "GemmCall"], ...]:
         """The calls the backward makes when autograd hands it a row-major dC

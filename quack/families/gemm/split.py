@@ -1,0 +1,88 @@
+"""Split K on the host: how many splits a call's tiles get, and the
+workspace and counters through which its kernel sums them (the kernel's
+side is in ``kernel.py``).
+
+A product with fewer output tiles than the GPU has CTA slots (a few rows of
+tokens times a weight) would leave most SMs idle, each busy one walking all
+of K; split K gives every tile S consecutive K ranges instead.  S depends on
+the tile count, K and the device, never on the data, so a call's bits are
+the same from run to run; it can change with M only where M changes the
+tile count (more than one row of tiles)."""
+
+from __future__ import annotations
+
+import threading
+from typing import NamedTuple
+
+import torch
+
+from quack.families.gemm.config import GemmConfig
+
+TILE_K = 64  # the kernel's K step
+MAX_SPLITS = 16
+MIN_STEPS = 8  # K steps a split gets at least: fewer would not hide the pipeline's fill
+SUM_STEPS = 2  # what the final sum of the partial tiles costs, in K steps
+
+
+def split_count(tiles: int, k: int, slots: int) -> int:
+    """S for ``tiles`` output tiles over ``k`` on ``slots`` resident CTAs:
+    the count that minimises waves x K steps per split (plus the sum's cost),
+    the smaller one on a tie; 1 once the tiles alone fill the GPU."""
+    steps = -(-k // TILE_K)
+    if tiles >= slots:
+        return 1  # (data-parallel waves: splitting them only adds partial sums)
+    best, best_cost = 1, -(-tiles // slots) * steps
+    for splits in range(2, min(MAX_SPLITS, steps // MIN_STEPS) + 1):
+        cost = -(-tiles * splits // slots) * -(-steps // splits) + SUM_STEPS
+        if cost < best_cost:
+            best, best_cost = splits, cost
+    return best
+
+
+def tile_count(cfg: GemmConfig, m: int, n: int) -> int:
+    """Output tiles of a dense (M, N) product, whole clusters counted."""
+    cluster_rows, cluster_cols = cfg.tile_m * cfg.cluster_m, cfg.tile_n * cfg.cluster_n
+    return -(-m // cluster_rows) * -(-n // cluster_cols) * cfg.cluster_m * cfg.cluster_n
+
+
+class _Buffers:
+    """One stream's workspace and counters, grown on demand.  Per stream:
+    launches on one stream run one after another, so they can share them;
+    launches on two streams may overlap, so they must not."""
+
+    def __init__(self):
+        self.workspace = None  # flat fp32
+        self.counters = None  # int32 zeros (each launch's finalizers leave them zero)
+
+
+_BUFFERS: dict[tuple[int, int], _Buffers] = {}
+_LOCK = threading.Lock()
+
+
+class SplitPlan(NamedTuple):
+    """How a split-K launch splits: its tiles and their split count."""
+
+    tiles: int
+    splits: int
+
+
+def split_plan(cfg: GemmConfig, m: int, n: int, k: int, max_clusters: int) -> SplitPlan:
+    """The split of a dense (M, N) product over ``k`` in ``cfg``, with a
+    grid of at most ``max_clusters`` clusters."""
+    tiles = tile_count(cfg, m, n)
+    return SplitPlan(tiles, split_count(tiles, k, max_clusters * cfg.cluster_m * cfg.cluster_n))
+
+
+def split_buffers(cfg: GemmConfig, split: SplitPlan, device: torch.device):
+    """(workspace (S, W), counters (tiles,)) for a launch split as ``split``
+    on the current stream of ``device``."""
+    splits, tiles = split.splits, split.tiles
+    stream = torch.cuda.current_stream(device)
+    with _LOCK:
+        buffers = _BUFFERS.setdefault((device.index or 0, stream.cuda_stream), _Buffers())
+        width = tiles * cfg.tile_m * cfg.tile_n
+        if buffers.workspace is None or buffers.workspace.numel() < splits * width:
+            buffers.workspace = torch.empty(splits * width, device=device, dtype=torch.float32)
+        if buffers.counters is None or buffers.counters.numel() < tiles:
+            buffers.counters = torch.zeros(tiles, device=device, dtype=torch.int32)
+        return buffers.workspace[: splits * width].view(splits, width), buffers.counters[:tiles]

@@ -1,0 +1,131 @@
+"""Split K, the GEMM's configuration for a few rows (decode steps): how many
+splits a call gets (on the CPU), and on the GPU that the splits' sum is
+right for every split count, the same bits from run to run, and safe on two
+streams at once."""
+
+import threading
+
+import pytest
+import torch
+
+import quack
+from quack.families.gemm import op as gemm_op
+from quack.families.gemm import split
+from quack.families.gemm.config import SMALL_M_ROWS, dense_class, gemm_config
+from quack.families.gemm.product import launch_gemm
+from quack.families.gemm.signature import GemmCall
+from quack.calls.plan import plan_for
+
+
+def test_split_count_fills_the_gpu_with_whole_steps():
+    # A decode step on a 4096 x 4096 weight: 16 tiles of 256 columns on 132 CTA slots.
+    assert split.split_count(16, 4096, 132) == 8
+    for tiles in (1, 3, 16, 40, 100, 131):
+        for k in (8, 64, 520, 4096, 14336, 100000):
+            splits = split.split_count(tiles, k, 132)
+            steps = -(-k // split.TILE_K)
+            assert 1 <= splits <= split.MAX_SPLITS
+            assert splits == 1 or steps // splits >= split.MIN_STEPS
+    # Tiles enough to fill the GPU (or K too short to split) run unsplit.
+    assert split.split_count(132, 14336, 132) == 1
+    assert split.split_count(500, 14336, 132) == 1
+    assert split.split_count(4, 64 * 15, 132) == 1
+
+
+def test_dense_classes():
+    assert dense_class(1) == dense_class(SMALL_M_ROWS) == "small_m"
+    assert dense_class(SMALL_M_ROWS + 1) == "dense"
+    small = gemm_config(4096, small_m=True)
+    assert small.split_k and small.tile_m == 64 and small.cluster_m == small.cluster_n == 1
+    assert not gemm_config(4096).split_k
+    roles = [role for role, _ in GemmCall("bfloat16", "bfloat16", False, True, "dense", 256, False, 0, None,
+                                          None).kernels()]
+    assert roles == ["dense", "small_m"]
+
+
+def test_fast_path_passes_the_split_buffers_in_the_kernels_order(monkeypatch):
+    """The small-M closure hands its launcher the current stream's buffers
+    where the kernel declares them (a recording launcher; the GPU tests launch)."""
+    calls = []
+    monkeypatch.setattr(gemm_op.fastpath, "direct", lambda plan, role, device, rows=None: lambda *a: calls.append(a))
+    buffers = (torch.zeros(3, 4), torch.zeros(4, dtype=torch.int32))
+    monkeypatch.setattr(gemm_op, "split_buffers", lambda cfg, sp, device: buffers)
+    a, b = torch.randn(2, 4096), torch.randn(4096, 4096)
+    ops, _ = gemm_op.call_operands(a, b, a.dtype, None, None, None, None, False)
+    plan = plan_for(gemm_op.signature_of(ops))
+    run = gemm_op._dense_closure(plan, "small_m", ops, ops.out)
+    out = run(a, b, None, None, 0)
+    names = plan.kernel_of("small_m").launch.parameters
+    (args,) = calls
+    assert len(args) == len(names)
+    by_name = dict(zip(names, args))
+    assert by_name["stream"] is None  # (the launcher reads it)
+    assert by_name["a"] is a and by_name["d"] is out and out.shape == (2, 4096)
+    assert by_name["workspace"] is buffers[0] and by_name["counters"] is buffers[1]
+    assert by_name["max_clusters"] > 0 and by_name["bias"] is None
+
+
+def _operands(m, k, n, dtype=torch.bfloat16):
+    torch.manual_seed(m * 7 + k + n)
+    a = torch.randn(m, k, device="cuda", dtype=dtype)
+    b = torch.randn(k, n, device="cuda", dtype=dtype) / k**0.5
+    return a, b
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 2, 37, 64])
+@pytest.mark.parametrize("k,n", [(8, 136), (72, 264), (64 * 41 + 8, 520), (4104, 4096)])
+def test_every_split_count_sums_right(m, k, n):
+    """Splits of unequal lengths, and more splits than K steps (the extra
+    ones sum zeros), against fp32 torch; each count twice with the same bits."""
+    a, b = _operands(m, k, n)
+    ref = a.float() @ b.float()
+    cfg = gemm_config(n, small_m=True)
+    for splits in (1, 2, 3, 5, 16):
+        out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+        launch_gemm(a, b.unsqueeze(0), out, None, True, cfg, splits=splits)
+        first = out.clone()
+        launch_gemm(a, b.unsqueeze(0), out, None, True, cfg, splits=splits)
+        torch.testing.assert_close(out.float(), ref, atol=5e-2, rtol=2e-2)
+        assert torch.equal(out, first), f"{splits} splits: bits differ between runs"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 16, 64])
+def test_decode_call_is_deterministic_and_leaves_counters_zero(m):
+    a, b = _operands(m, 4096, 4096)
+    first = quack.gemm(a, b)
+    for _ in range(20):  # the fast path's calls too
+        assert torch.equal(quack.gemm(a, b), first)
+    torch.cuda.synchronize()
+    torch.testing.assert_close(first.float(), a.float() @ b.float(), atol=5e-2, rtol=2e-2)
+    for buffers in split._BUFFERS.values():
+        assert int(buffers.counters.count_nonzero()) == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.no_compile_only  # streams of fake tensors; the tests above warm the same objects
+def test_streams_and_threads_do_not_share_counters():
+    """Calls on two streams overlap; each stream has its own buffers."""
+    shapes = [(1, 4096, 4096), (16, 2048, 8192)]
+    operands = [_operands(*shape) for shape in shapes]
+    refs = [quack.gemm(a, b) for a, b in operands]
+    errors = []
+
+    def work(i):
+        try:
+            stream = torch.cuda.Stream()
+            a, b = operands[i]
+            with torch.cuda.stream(stream):
+                outs = [quack.gemm(a, b) for _ in range(50)]
+            stream.synchronize()
+            assert all(torch.equal(out, refs[i]) for out in outs)
+        except BaseException as err:  # noqa: BLE001 - reported below
+            errors.append(err)
+
+    threads = [threading.Thread(target=work, args=(i % 2,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
