@@ -465,6 +465,41 @@ def test_single_row_with_odd_row_stride():
     _close(quack.gemm(a, b), gemm_ref(a, b))
 
 
+@pytest.mark.parametrize("tokens", [1, 7, 612, 1001])
+def test_weight_gradient_over_any_token_count(tokens):
+    # K is the token count in a weight gradient xᵀ @ dy: TMA needs K's
+    # stride aligned, not K, where neither operand is K-contiguous.  Dense,
+    # and grouped along K with an empty group and group starts off 8.
+    torch.manual_seed(0)
+    x, dy = _randn(tokens, 256), _randn(tokens, 136)
+    dense = quack.gemm(x.t(), dy, out_dtype=torch.float32)
+    lengths = [tokens // 3, 0, tokens - tokens // 3]
+    cu, _ = _cu(lengths)
+    grouped = quack.gemm(x.t(), dy, cu_seqlens_k=cu)
+    if not is_compile_only():
+        _close(dense, gemm_ref(x.t(), dy, torch.float32))
+        start = 0
+        for g, length in enumerate(lengths):
+            _close(grouped[g], gemm_ref(x.t()[:, start:start + length], dy[start:start + length]))
+            start += length
+
+
+@pytest.mark.parametrize("k", [12, 612])
+def test_backward_over_a_k_of_any_size(k):
+    # An M-contiguous A (a transposed activation) over K = 12 or 612: dA's
+    # rows of K columns are stored padded to a multiple of 8 (a view).
+    torch.manual_seed(0)
+    a_t = _randn(k, 200).requires_grad_()
+    b = _randn(k, 136).requires_grad_()
+    dc = _randn(200, 136)
+    out = quack.gemm(a_t.t(), b)
+    if not is_compile_only():
+        out.backward(dc)
+        _close(out, gemm_ref(a_t.detach().t(), b.detach()))
+        _close(a_t.grad, gemm_ref(dc, b.detach().t()).t())
+        _close(b.grad, gemm_ref(a_t.detach(), dc))
+
+
 def test_torch_compile_fullgraph_with_autograd():
     # dA and dB through the compiled graph's registered ops; B column-major.
     torch.manual_seed(0)

@@ -44,10 +44,15 @@ def test_no_groups_with_rows():
 
 
 def test_alignment():
-    with pytest.raises(ValueError, match="multiples of 8"):
+    # K = 12 in a K-contiguous A: its rows start 24 bytes apart, which TMA cannot address.
+    with pytest.raises(ValueError, match="A stride 12 of dim 0 must be a multiple of 8"):
         quack.gemm(_cuda(8, 12), _cuda(12, 8))
-    with pytest.raises(ValueError, match="multiples of 8"):
+    with pytest.raises(ValueError, match="B stride 12 of dim 1 must be a multiple of 8"):
+        quack.gemm(_cuda(12, 8).t(), _cuda(16, 12).t())
+    with pytest.raises(ValueError, match="N = 12 must be a multiple of 8"):
         quack.gemm(_cuda(8, 8), _cuda(8, 12))
+    with pytest.raises(ValueError, match="broadcast along dim 0"):
+        quack.gemm(_cuda(1, 8).expand(8, 8), _cuda(8, 8).t())
     with pytest.raises(ValueError, match="16-byte aligned"):
         quack.gemm(_cuda(72).as_strided((8, 8), (8, 1), 1), _cuda(8, 8))
     with pytest.raises(ValueError, match="stride 12"):
@@ -66,7 +71,8 @@ def test_variable_length_k():
         quack.gemm(_cuda(8, 16), _cuda(16, 8), cu_seqlens_k=_cuda(3, dtype=torch.int64))
     with pytest.raises(ValueError, match=r"cu_seqlens_k must have shape \(G \+ 1,\)"):
         quack.gemm(_cuda(8, 16), _cuda(16, 8), cu_seqlens_k=_cuda(0, dtype=torch.int32))
-    with pytest.raises(ValueError, match="K = 12 and N = 8"):
+    # 12 tokens: fine as the M-contiguous Aᵀ of a weight gradient, refused K-contiguous.
+    with pytest.raises(ValueError, match="A stride 12 of dim 0"):
         quack.gemm(_cuda(8, 12), _cuda(12, 8), cu_seqlens_k=cu)
 
 

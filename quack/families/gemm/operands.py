@@ -1,8 +1,10 @@
 """A GEMM call's operands on the host: the checks that raise before any
 launch, and the views the kernel takes (no copies where a layout allows).
 
-TMA needs K and N multiples of 8, row strides multiples of 8 elements and
-16-byte aligned bases: checked with a clear error before any launch."""
+TMA needs 16-byte aligned bases and strides (8 elements) but the unit one:
+checked with a clear error before any launch.  The sizes are free but N, the
+columns of the output the kernel stores row by row; a backward's dA over a K
+that is no multiple of 8 is stored into rows padded to one (a view)."""
 
 from __future__ import annotations
 
@@ -89,10 +91,12 @@ def check_tma(name: str, t: torch.Tensor, unit_dim: int = -1) -> None:
     for dim, stride in enumerate(t.stride()):
         if dim == unit_dim % t.dim():
             continue
-        if stride % ALIGN_ELEMENTS or (stride == 0 and t.shape[dim] > 1):
+        if stride == 0 and t.shape[dim] > 1:
+            raise ValueError(f"{name} is broadcast along dim {dim} (stride 0): pass a copy (TMA)")
+        if stride % ALIGN_ELEMENTS:
             raise ValueError(
-                f"{name} stride {stride} of dim {dim} must be a nonzero multiple of {ALIGN_ELEMENTS} (TMA; "
-                "pass a copy of a broadcast view)"
+                f"{name} stride {stride} of dim {dim} must be a multiple of {ALIGN_ELEMENTS} elements "
+                f"(16 bytes, TMA): shape {tuple(t.shape)}, strides {t.stride()}"
             )
 
 
@@ -128,8 +132,9 @@ def _check_dims(a_shape: tuple, b, cu_seqlens_m, cu_seqlens_k, like: torch.Tenso
     if a_shape[1] != b.shape[-2]:
         raise ValueError(f"K mismatch: A is {a_shape}, B is {tuple(b.shape)}")
     m, k, n = a_shape[0], a_shape[1], b.shape[-1]
-    if k % ALIGN_ELEMENTS or n % ALIGN_ELEMENTS:
-        raise ValueError(f"K = {k} and N = {n} must be multiples of {ALIGN_ELEMENTS} (TMA)")
+    if n % ALIGN_ELEMENTS:
+        raise ValueError(f"N = {n} must be a multiple of {ALIGN_ELEMENTS}: TMA stores the output's rows, "
+                         "which must start 16-byte aligned")
     groups = b.shape[0] if b.dim() == 3 else 1
     if cu_seqlens_k is not None:
         groups = cu_seqlens_k.shape[0] - 1
@@ -179,7 +184,7 @@ def kernel_operands(A, B, out_dtype, cu, grouping: str, bias=None, activation=No
     epilogue = parse_epilogue(activation)
     out_n = epilogue.out_columns(n)
     shape = (cu.shape[0] - 1, a.shape[0], out_n) if grouping == "varlen_k" else (a.shape[0], out_n)
-    out = torch.empty(shape, device=A.device, dtype=out_dtype)
+    out = _stored_by_tma(shape, out_dtype, A.device)
     if backward and activation:
         preact = torch.empty((a.shape[0], n), device=A.device, dtype=out_dtype)
     return Operands(a if a_m_major else _unit_strides(a), a_m_major, _unit_strides(b3), b_n_major, out, grouping,
@@ -228,6 +233,16 @@ def _b_view(b: torch.Tensor):
     if b.stride(-2) == 1:
         return b.transpose(-1, -2), False
     return _row_major(b), True
+
+
+def _stored_by_tma(shape: tuple, dtype: torch.dtype, device) -> torch.Tensor:
+    """A new output whose rows TMA can store: where the last dim is no
+    multiple of 8 (the backward's dA of such a K), a view of rows padded to
+    one."""
+    n = shape[-1]
+    padded = -(-n // ALIGN_ELEMENTS) * ALIGN_ELEMENTS
+    rows = torch.empty((*shape[:-1], padded), device=device, dtype=dtype)
+    return rows if padded == n else rows[..., :n]
 
 
 def _row_major(t: torch.Tensor) -> torch.Tensor:

@@ -13,11 +13,11 @@ from quack.calls import torch_interop as ti
 from quack.calls.cute_op import cute_op
 from quack.calls.plan import Kernel, Plan, plan_for
 from quack.compile_only import is_compile_only
-from quack.families.gemm.config import GemmConfig, dense_class, group_class, kernel_grouping, resident_clusters
+from quack.families.gemm.config import GemmConfig, group_class, kernel_grouping, resident_clusters
 from quack.families.gemm.epilogue import TORCH_ACTIVATIONS, parse_epilogue
 from quack.families.gemm.operands import Operands, check_tma, columns
 from quack.families.gemm.signature import GEMM, compile_gemm, plan_of, signature_of
-from quack.families.gemm.split import split_buffers, split_plan
+from quack.families.gemm.split import dense_class, split_buffers, split_plan
 
 
 def product(ops: Operands, cu, plan: Optional[Plan] = None, warm_empty: bool = True) -> torch.Tensor:
@@ -85,7 +85,9 @@ def run_role(plan: Plan, ops: Operands) -> str:
     grouping = plan.signature.grouping
     if grouping == "varlen_m":
         return group_class(ops.a.shape[0] / max(1, ops.b3.shape[0]))
-    return dense_class(ops.a.shape[0]) if grouping == "dense" else grouping
+    if grouping == "dense":
+        return dense_class(ops.a.shape[0], columns(ops.b3, ops.b_n_major), ops.a.shape[1], ops.a.device)
+    return grouping
 
 
 @cute_op("quack::gemm", mutates_args=("out", "preact"))

@@ -7,7 +7,7 @@ or G: those are dynamic, so one object serves every problem size and
 compile-only warming works from tests that size their inputs with
 ``.item()`` on fake tensors.  A varlen-M call's plan holds the objects of
 both classes of group size (``config.GROUP_CLASSES``), a dense one those of
-both classes of M (``config.DENSE_CLASSES``)."""
+each class of M (``config.DENSE_CLASSES``)."""
 
 from __future__ import annotations
 
@@ -72,7 +72,9 @@ def compile_gemm(ab_dtype: str, d_dtype: str, a_m_major: bool, b_n_major: bool, 
     bias = compact(ti.cute_dtype(bias_dtype), (n,), assumed_align=4) if bias_dtype else None
     workspace = counters = None
     if cfg.split_k:
-        workspace = compact(cutlass.Float32, (cute.sym_int(), cute.sym_int()), assumed_align=16)
+        # (S, W) row-major: ``compact`` would make it column-major.
+        workspace = cute.runtime.make_fake_tensor(cutlass.Float32, (cute.sym_int(), cute.sym_int()),
+                                                  (cute.sym_int64(divisibility=4), 1), assumed_align=16)
         counters = compact(Int32, (cute.sym_int(),), assumed_align=4)
     kernel = HopperGemm(cfg, a_m_major, b_n_major, varlen_k=grouping == "varlen_k", activation=activation)
     fakes = dict(a=a, b=b, d=d, cu_seqlens=cu, bias=bias, preact=preact, max_clusters=Int32(1),
@@ -128,7 +130,7 @@ class GemmCall(Signature):
         """The tile configuration of this call's own object ``role``: the
         grouping's, or a class of ``GROUP_CLASSES`` (grouped rows) or of
         ``DENSE_CLASSES``."""
-        return gemm_config(self.tile_n, dict(GROUP_CLASSES).get(role), small_m=role == DENSE_CLASSES[1])
+        return gemm_config(self.tile_n, dict(GROUP_CLASSES).get(role), role if role in DENSE_CLASSES else "dense")
 
     def gradient_calls(self) -> tuple[tuple[str, "GemmCall"], ...]:
         """The calls the backward makes when autograd hands it a row-major dC

@@ -16,33 +16,43 @@ from typing import NamedTuple
 
 import torch
 
-from quack.families.gemm.config import GemmConfig
+from quack.families.gemm.config import MID_M_ROWS, SMALL_M_ROWS, GemmConfig, gemm_config, resident_clusters
 
 TILE_K = 64  # the kernel's K step
 MAX_SPLITS = 16
 MIN_STEPS = 8  # K steps a split gets at least: fewer would not hide the pipeline's fill
-SUM_STEPS = 2  # what the final sum of the partial tiles costs, in K steps
 
 
 def split_count(tiles: int, k: int, slots: int) -> int:
     """S for ``tiles`` output tiles over ``k`` on ``slots`` resident CTAs:
-    the count that minimises waves x K steps per split (plus the sum's cost),
-    the smaller one on a tie; 1 once the tiles alone fill the GPU."""
+    the most splits that still run in one wave (``tiles * S <= slots``),
+    each of at least ``MIN_STEPS`` K steps; 1 once the tiles alone fill the
+    GPU.  (Splits over several waves lost to no split at all in
+    tools/bench/gemm.py's inference table: each short split pays the
+    pipeline's fill and a partial tile's store and sum.)"""
     steps = -(-k // TILE_K)
-    if tiles >= slots:
-        return 1  # (data-parallel waves: splitting them only adds partial sums)
-    best, best_cost = 1, -(-tiles // slots) * steps
-    for splits in range(2, min(MAX_SPLITS, steps // MIN_STEPS) + 1):
-        cost = -(-tiles * splits // slots) * -(-steps // splits) + SUM_STEPS
-        if cost < best_cost:
-            best, best_cost = splits, cost
-    return best
+    return max(1, min(MAX_SPLITS, slots // max(tiles, 1), steps // MIN_STEPS))
 
 
 def tile_count(cfg: GemmConfig, m: int, n: int) -> int:
     """Output tiles of a dense (M, N) product, whole clusters counted."""
     cluster_rows, cluster_cols = cfg.tile_m * cfg.cluster_m, cfg.tile_n * cfg.cluster_n
     return -(-m // cluster_rows) * -(-n // cluster_cols) * cfg.cluster_m * cfg.cluster_n
+
+
+def dense_class(m: int, n: int, k: int, device: torch.device) -> str:
+    """The role, among ``config.DENSE_CLASSES``, of the object a dense (M, N)
+    product over K runs on ``device``: up to ``SMALL_M_ROWS`` rows the 64-row
+    split object; up to ``MID_M_ROWS`` the 128-row one where its tiles alone
+    leave SMs idle (unsplit, the default's wider tiles and clusters read
+    less); the default otherwise."""
+    if m <= SMALL_M_ROWS:
+        return "small_m"
+    if m <= MID_M_ROWS:
+        cfg = gemm_config(n, m_class="mid_m")
+        if split_plan(cfg, m, n, k, resident_clusters(cfg, device)).splits > 1:
+            return "mid_m"
+    return "dense"
 
 
 class _Buffers:
