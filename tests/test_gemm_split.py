@@ -138,3 +138,14 @@ def test_streams_and_threads_do_not_share_counters():
     for t in threads:
         t.join()
     assert not errors, errors
+
+
+def test_a_contiguous_decode_row_reaches_the_kernel_as_it_comes():
+    """The fast path takes only the caller's own tensor: a contiguous row is
+    passed as it is, a row of odd stride gets a view TMA accepts."""
+    from quack.families.gemm.operands import _unit_strides
+
+    row = torch.randn(8, 4096, dtype=torch.bfloat16)[-1:]
+    assert _unit_strides(row) is row
+    odd = torch.randn(1, 200).as_strided((1, 64), (12, 1))
+    assert _unit_strides(odd).stride() == (64, 1)

@@ -134,6 +134,8 @@ def _inference_calls():
         ("layernorm", lambda: quack.layernorm(x, w, w)),
         ("layernorm_no_bias", lambda: quack.layernorm(x, w)),
         ("gemm", lambda: quack.gemm(a, b.t())),
+        ("gemm_decode_row", lambda: quack.gemm(x[-1:], b)),  # one row, as a decode step slices it
+        ("gemm_decode", lambda: quack.gemm(x, b)),  # split K
         ("cross_entropy", lambda: quack.cross_entropy(x, target)),
         ("cross_entropy_3d", lambda: quack.cross_entropy(x3, target3)),  # a 2-D target, flattened
     ]
@@ -161,7 +163,7 @@ def _flat(out):
 @pytest.mark.no_compile_only  # counts closures, which compile-only mode never makes
 @pytest.mark.parametrize(
     "name", ["rmsnorm", "rmsnorm_3d", "rmsnorm_residual", "softmax", "layernorm", "layernorm_no_bias", "gemm",
-             "cross_entropy", "cross_entropy_3d"]
+             "gemm_decode_row", "gemm_decode", "cross_entropy", "cross_entropy_3d"]
 )
 def test_a_repeated_call_takes_the_closure_and_gives_the_same_bits(name):
     _requires_the_c_launcher()

@@ -264,7 +264,9 @@ def _unit_strides(t: torch.Tensor) -> torch.Tensor:
     for dim in range(t.dim() - 2, -1, -1):
         if t.shape[dim] == 1:
             strides[dim] = t.shape[dim + 1] * strides[dim + 1]
-    return t.as_strided(t.shape, strides)
+    # (``t`` itself where nothing changes, as for a contiguous decode row: the
+    # fast path passes the caller's tensor and takes only an operand that is.)
+    return t if tuple(strides) == t.stride() else t.as_strided(t.shape, strides)
 
 
 def kernel_ready(grad: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
