@@ -255,6 +255,7 @@ def test_stress_threads_and_processes_on_one_layer(cache_env, capsys):
     assert not errors and wrong == 0 and not lost
     assert pruner["removed"] > 0 and installer["rounds"] > 0 and installer["failures"] == 0
     assert verifier["failures"] == 0
-    assert all(maintenance.check(e) == "" for e in left)
+    problems = {f"{e.family}/{e.keyhash}": maintenance.check(e) for e in left}
+    assert not any(problems.values()), {name: why for name, why in problems.items() if why}
     assert [p.name for p in cache_env.writable.rglob("*.lock")] == ["poetry.lock"]  # no key lock left
     assert not [p for p in (cache_env.writable / FAMILY).iterdir() if p.name.startswith(".")]

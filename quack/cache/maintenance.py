@@ -160,15 +160,18 @@ def check_removable(layer: Layer) -> None:
 
 def remove(entry: Entry) -> bool:
     """Delete an entry of a writable layer (sidecar first, so a reader sees a
-    miss, never an object passing as valid). False if its key is locked."""
+    miss, never an object passing as valid). False if its key is locked.
+
+    Both of the key's files go, not only those the scan saw: an export that
+    finished between the scan and the lock may have added the one it lacked."""
     check_removable(entry.layer)
-    with try_key_lock(entry.layer, entry.family, entry.keyhash) as locked:
+    layer, family, keyhash = entry.layer, entry.family, entry.keyhash
+    with try_key_lock(layer, family, keyhash) as locked:
         if not locked:
             return False
-        for path in (entry.sidecar, entry.object):
-            if path is not None:
-                with contextlib.suppress(FileNotFoundError):
-                    path.unlink()
+        for path in (layer.sidecar_path(family, keyhash), layer.object_path(family, keyhash)):
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
     return True
 
 
