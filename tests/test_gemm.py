@@ -47,9 +47,9 @@ def _cu(lengths):
 # groups, groups of 1-3 rows, large groups), which gradients autograd takes
 # (B is the parameter), and the GEMM's size classes:
 # M: none, one row, two, around the 64-row tile of the split-K class of a
-#    few rows (63, 64, 65), a partial 128-row tile, the last M of the
-#    128-row split-K class and the first past it (256, 257), many tiles (for
-#    grouped calls, the total over the groups);
+#    few rows (63, 64, 65), a partial 128-row tile, two whole ones and one
+#    row past them (256, 257), many tiles (for grouped calls, the total over
+#    the groups);
 # K: none (zeros), one 8-wide step (below the 64-wide k-tile), an odd
 #    multiple of 8 below one k-tile and above it, many k-tiles, and 65 of
 #    them (split K: its splits of unequal lengths);

@@ -11,7 +11,7 @@ import torch
 import quack
 from quack.families.gemm import op as gemm_op
 from quack.families.gemm import split
-from quack.families.gemm.config import MID_M_ROWS, SMALL_M_ROWS, gemm_config
+from quack.families.gemm.config import SMALL_M_ROWS, gemm_config
 from quack.families.gemm.split import dense_class
 from quack.families.gemm.product import launch_gemm
 from quack.families.gemm.signature import GemmCall
@@ -34,22 +34,14 @@ def test_split_count_fills_one_wave_with_whole_steps():
 
 
 def test_dense_classes():
-    cpu = torch.device("cpu")  # (132 SMs estimated where no GPU answers)
-    # A decode step: the 64-row split object, whatever the weight.
-    assert dense_class(1, 4096, 4096, cpu) == dense_class(SMALL_M_ROWS, 28672, 8192, cpu) == "small_m"
-    # A small prefill batch: the 128-row split object where its tiles leave SMs idle ...
-    assert dense_class(SMALL_M_ROWS + 1, 4096, 4096, cpu) == dense_class(MID_M_ROWS, 4096, 14336, cpu) == "mid_m"
-    # ... not where they fill the GPU, or K is too short to split, or past MID_M_ROWS.
-    assert dense_class(MID_M_ROWS, 14336, 4096, cpu) == "dense"
-    assert dense_class(128, 4096, 256, cpu) == "dense"
-    assert dense_class(MID_M_ROWS + 1, 4096, 4096, cpu) == "dense"
-    for m_class, tile_m in (("small_m", 64), ("mid_m", 128)):
-        cfg = gemm_config(4096, m_class=m_class)
-        assert cfg.split_k and (cfg.tile_m, cfg.tile_n) == (tile_m, 128) and cfg.cluster_m == cfg.cluster_n == 1
+    assert dense_class(1) == dense_class(SMALL_M_ROWS) == "small_m"
+    assert dense_class(SMALL_M_ROWS + 1) == "dense"
+    small = gemm_config(4096, m_class="small_m")
+    assert small.split_k and (small.tile_m, small.tile_n) == (64, 128) and small.cluster_m == small.cluster_n == 1
     assert not gemm_config(4096).split_k
     roles = [role for role, _ in GemmCall("bfloat16", "bfloat16", False, True, "dense", 256, False, 0, None,
                                           None).kernels()]
-    assert roles == ["dense", "small_m", "mid_m"]
+    assert roles == ["dense", "small_m"]
 
 
 def test_fast_path_passes_the_split_buffers_in_the_kernels_order(monkeypatch):
@@ -82,14 +74,14 @@ def _operands(m, k, n, dtype=torch.bfloat16):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m_class,m", [("small_m", m) for m in (1, 2, 37, 64)] + [("mid_m", m) for m in (65, 200, 256)])
+@pytest.mark.parametrize("m", [1, 2, 37, 64])
 @pytest.mark.parametrize("k,n", [(8, 136), (72, 264), (64 * 41 + 8, 520), (4104, 4096)])
-def test_every_split_count_sums_right(m_class, m, k, n):
+def test_every_split_count_sums_right(m, k, n):
     """Splits of unequal lengths, and more splits than K steps (the extra
     ones sum zeros), against fp32 torch; each count twice with the same bits."""
     a, b = _operands(m, k, n)
     ref = a.float() @ b.float()
-    cfg = gemm_config(n, m_class=m_class)
+    cfg = gemm_config(n, m_class="small_m")
     for splits in (1, 2, 3, 5, 16):
         out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
         launch_gemm(a, b.unsqueeze(0), out, None, True, cfg, splits=splits)
@@ -100,7 +92,7 @@ def test_every_split_count_sums_right(m_class, m, k, n):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m", [1, 16, 64, 128])
+@pytest.mark.parametrize("m", [1, 16, 64])
 def test_decode_call_is_deterministic_and_leaves_counters_zero(m):
     a, b = _operands(m, 4096, 4096)
     first = quack.gemm(a, b)

@@ -38,7 +38,7 @@ def test_sentinel_sized_varlen_call_exports_every_candidate(cache_env):  # noqa:
     dense = plan_for(GemmCall("bfloat16", "bfloat16", False, True, "dense", 256, False, 0, None, None))
     expected = sorted((k.args[4], k.args[-1]) for p in (varlen, dense) for _, k in p.kernels)
     assert _configs_in(cache_env.writable) == expected
-    assert len(expected) == 5
+    assert len(expected) == 4
 
 
 def test_plans_hold_every_config_the_heuristic_picks():
@@ -71,4 +71,4 @@ def test_training_call_warms_its_backward_products(cache_env):  # noqa: F811
     keys = [json.loads(p.read_text())["key"]["args"] for p in (cache_env.writable / "gemm").glob("*.json")]
     exported = sorted((k["a_m_major"], k["b_n_major"], tuple(k["config"])) for k in keys)
     assert exported == sorted((k.args[2], k.args[3], k.args[-1]) for _, k in plan_for(sig).kernels)
-    assert len(exported) == 9
+    assert len(exported) == 6

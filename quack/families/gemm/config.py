@@ -9,9 +9,7 @@ each A tile): a cluster then spans 128 rows, not 256, and the partial tile at
 the end of each group wastes half as much.  N <= 128 uses 128 x 128 tiles so
 that half of each tile is not wasted.  A dense GEMM of a few rows (at most
 ``SMALL_M_ROWS``) uses 64 x 128 tiles without clusters, K split over several
-CTAs so that every SM streams a share of B (``split.py``); one of at most
-``MID_M_ROWS`` rows uses 128 x 128 tiles with K split where those tiles
-alone leave SMs idle (``split.dense_class``).  Measured in
+CTAs so that every SM streams a share of B (``split.py``).  Measured in
 tools/bench/gemm_configs.py; no autotuning happens at call time.
 """
 
@@ -29,17 +27,15 @@ LARGE_GROUP_ROWS = 2048  # varlen: from this many rows per group on, clusters pa
 
 # dense; grouped by rows (cu_seqlens_m); grouped along K (cu_seqlens_k).
 GROUPINGS = ("dense", "varlen_m", "varlen_k")
-SMALL_M_ROWS = 64  # dense: up to this many rows, the 64-row split-K object runs
-MID_M_ROWS = 256  # dense: up to this many rows, the 128-row split-K object may run
+SMALL_M_ROWS = 64  # dense: up to this many rows, the split-K object runs
 
 # A varlen-M plan holds one object per class of rows per group: which one
 # runs depends on a runtime size (and on a sentinel under compile-only).
 GROUP_CLASSES = (("small_groups", 1.0), ("large_groups", float(LARGE_GROUP_ROWS)))
 # A dense plan likewise holds one object per class of M: a few rows of tokens
 # (a decode step) run 64-row tiles with K split (``split.py``), which fills
-# the GPU where one row of tiles alone would not; a small prefill batch
-# 128-row tiles with K split.
-DENSE_CLASSES = ("dense", "small_m", "mid_m")
+# the GPU where one row of tiles alone would not.
+DENSE_CLASSES = ("dense", "small_m")
 
 
 class GemmConfig(NamedTuple):
@@ -58,10 +54,9 @@ def gemm_config(n: int, rows_per_group: Optional[float] = None, m_class: str = "
     is total_M / G for a varlen GEMM, None for a dense one; ``m_class``: a
     dense GEMM's class of M, one of ``DENSE_CLASSES``."""
     tile_n = 128 if n <= 128 else 256
-    if m_class != "dense":
+    if m_class == "small_m":
         # (128 columns whatever N: twice the tiles to spread over the SMs.)
-        tile_m = 64 if m_class == "small_m" else 128
-        return GemmConfig(tile_m=tile_m, tile_n=128, cluster_m=1, cluster_n=1, split_k=True)
+        return GemmConfig(tile_m=64, tile_n=128, cluster_m=1, cluster_n=1, split_k=True)
     if rows_per_group is not None and rows_per_group < LARGE_GROUP_ROWS:
         # Pair CTAs along N: a cluster then spans 128 rows, not 256, and the
         # partial tile that ends each group wastes half as much.

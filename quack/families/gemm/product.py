@@ -86,7 +86,7 @@ def run_role(plan: Plan, ops: Operands) -> str:
     if grouping == "varlen_m":
         return group_class(ops.a.shape[0] / max(1, ops.b3.shape[0]))
     if grouping == "dense":
-        return dense_class(ops.a.shape[0], columns(ops.b3, ops.b_n_major), ops.a.shape[1], ops.a.device)
+        return dense_class(ops.a.shape[0])
     return grouping
 
 

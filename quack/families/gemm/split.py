@@ -16,7 +16,7 @@ from typing import NamedTuple
 
 import torch
 
-from quack.families.gemm.config import MID_M_ROWS, SMALL_M_ROWS, GemmConfig, gemm_config, resident_clusters
+from quack.families.gemm.config import SMALL_M_ROWS, GemmConfig
 
 TILE_K = 64  # the kernel's K step
 MAX_SPLITS = 16
@@ -40,19 +40,10 @@ def tile_count(cfg: GemmConfig, m: int, n: int) -> int:
     return -(-m // cluster_rows) * -(-n // cluster_cols) * cfg.cluster_m * cfg.cluster_n
 
 
-def dense_class(m: int, n: int, k: int, device: torch.device) -> str:
-    """The role, among ``config.DENSE_CLASSES``, of the object a dense (M, N)
-    product over K runs on ``device``: up to ``SMALL_M_ROWS`` rows the 64-row
-    split object; up to ``MID_M_ROWS`` the 128-row one where its tiles alone
-    leave SMs idle (unsplit, the default's wider tiles and clusters read
-    less); the default otherwise."""
-    if m <= SMALL_M_ROWS:
-        return "small_m"
-    if m <= MID_M_ROWS:
-        cfg = gemm_config(n, m_class="mid_m")
-        if split_plan(cfg, m, n, k, resident_clusters(cfg, device)).splits > 1:
-            return "mid_m"
-    return "dense"
+def dense_class(m: int) -> str:
+    """The role, among ``config.DENSE_CLASSES``, of the object a dense call
+    of M rows runs: up to ``SMALL_M_ROWS`` rows the split one."""
+    return "small_m" if m <= SMALL_M_ROWS else "dense"
 
 
 class _Buffers:
