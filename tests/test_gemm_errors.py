@@ -61,6 +61,21 @@ def test_alignment():
         quack.gemm(_cuda(2**31, 8), _cuda(8, 8))
 
 
+def test_any_k_that_tma_can_address(monkeypatch):
+    # A weight gradient over 12 tokens (K): Aᵀ M-contiguous and dC
+    # N-contiguous have aligned strides, so K itself is free, dense or
+    # grouped along K.  (Accepted calls would warm their plans here.)
+    from quack.calls.plan import Plan
+    from quack.families.gemm.operands import kernel_operands
+
+    monkeypatch.setattr(Plan, "warm", lambda plan: None)
+    assert quack.gemm(_cuda(12, 8).t(), _cuda(12, 16)).shape == (8, 16)
+    assert quack.gemm(_cuda(12, 8).t(), _cuda(12, 16), cu_seqlens_k=_cuda(3, dtype=torch.int32)).shape == (2, 8, 16)
+    # dA = dC @ Bᵀ of such a K: its rows are stored padded to 8 columns (a view).
+    ops = kernel_operands(_cuda(200, 136), _cuda(612, 136).t(), torch.bfloat16, None, "dense")
+    assert ops.out.shape == (200, 612) and ops.out.stride() == (616, 1)
+
+
 def test_variable_length_k():
     cu = _cuda(3, dtype=torch.int32)
     with pytest.raises(ValueError, match="not both"):

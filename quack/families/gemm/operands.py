@@ -241,8 +241,13 @@ def _stored_by_tma(shape: tuple, dtype: torch.dtype, device) -> torch.Tensor:
     one."""
     n = shape[-1]
     padded = -(-n // ALIGN_ELEMENTS) * ALIGN_ELEMENTS
-    rows = torch.empty((*shape[:-1], padded), device=device, dtype=dtype)
-    return rows if padded == n else rows[..., :n]
+    if padded == n:
+        return torch.empty(shape, device=device, dtype=dtype)
+    strides, pitch = [1], padded
+    for size in reversed(shape[:-1]):
+        strides.insert(0, pitch)
+        pitch *= size
+    return torch.empty_strided(shape, strides, device=device, dtype=dtype)
 
 
 def _row_major(t: torch.Tensor) -> torch.Tensor:
