@@ -1,7 +1,8 @@
 """Tile configurations of the GEMM side by side (the evidence behind ``gemm_config``).
 
-    python tools/bench/gemm_configs.py            # on the GPU: a table in TFLOP/s
-    python tools/bench/gemm_configs.py --warm DIR # on any machine: export the objects to DIR
+    python tools/bench/gemm_configs.py              # on the GPU: a table in TFLOP/s
+    python tools/bench/gemm_configs.py --few-rows   # on the GPU: the configurations for few rows, in us
+    python tools/bench/gemm_configs.py --warm DIR   # on any machine: export the objects to DIR
 
 Each row is one problem, each column one (cluster M x N, raster band)
 configuration of 128 x 256 tiles, with cuBLAS (dense) or torch._grouped_mm
@@ -9,6 +10,11 @@ configuration of 128 x 256 tiles, with cuBLAS (dense) or torch._grouped_mm
 "uneven" is the benchmark's 64 uneven groups; "uneven128" the same groups
 rounded up to whole 128-row tiles, counted in padded rows (it isolates the
 cost of partial tiles).
+
+``--few-rows``: dense products of a few rows at the inference weight shapes,
+the default configuration beside the split-K ones (split counts as
+``split.split_count`` picks them) and cuBLAS; each configuration's output is
+checked against cuBLAS's first ("!" marks a cell whose output differs).
 """
 
 from __future__ import annotations
@@ -30,6 +36,13 @@ CONFIGS = [
     GemmConfig(cluster_m=1, cluster_n=2, band=8),
     GemmConfig(cluster_m=2, cluster_n=1, band=16),
 ]
+# The candidates for dense calls of a few rows (config.DENSE_CLASSES).
+FEW_ROWS_CONFIGS = {
+    "default": GemmConfig(),
+    "64x128 split": GemmConfig(tile_m=64, tile_n=128, cluster_m=1, cluster_n=1, split_k=True),
+    "128x128 split": GemmConfig(tile_m=128, tile_n=128, cluster_m=1, cluster_n=1, split_k=True),
+}
+FEW_ROWS_M = [1, 16, 64, 65, 128, 192, 256]
 PROBLEMS = [("dense", 8192, 8192, 8192, None), ("dense", 4096, 4096, 4096, None), ("dense", 8192, 4096, 4096, None),
             ("grouped", 16384, 4096, 4096, [2048] * 8), ("grouped", 32768, 4096, 4096, [512] * 64),
             ("grouped", 32768, 4096, 4096, "uneven"), ("grouped", 36864, 4096, 4096, "uneven128")]
@@ -54,6 +67,7 @@ def _operands(m, n, k, groups):
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--warm", help="export every configuration's objects to this cache directory")
+    parser.add_argument("--few-rows", action="store_true", help="the configurations for a few rows (us)")
     args = parser.parse_args()
     if args.warm:
         os.environ["QUACK_CACHE_DIR"] = args.warm
@@ -64,8 +78,12 @@ def main() -> None:
                 a, b = torch.empty(8, 8, device="cuda", dtype=torch.bfloat16), torch.empty(
                     1, 8, 8, device="cuda", dtype=torch.bfloat16)
                 cu = torch.zeros(2, device="cuda", dtype=torch.int32) if varlen else None
-                for cfg in CONFIGS:
+                configs = CONFIGS if varlen else CONFIGS + list(FEW_ROWS_CONFIGS.values())
+                for cfg in configs:
                     launch_gemm(a, b, torch.empty(8, 8, device="cuda", dtype=torch.bfloat16), cu, True, cfg)
+        return
+    if args.few_rows:
+        print_few_rows()
         return
     from harness import interleaved_ms
 
@@ -80,6 +98,31 @@ def main() -> None:
         label = f"{kind} {m}x{n}x{k}" + (f" G={len(groups)}" if isinstance(groups, list) else f" {groups or ''}")
         print(f"{label:<34}" + "".join(f"{2 * m * n * k / ms[name] / 1e9:>16.1f}" for name in names)
               + f"{2 * m * n * k / ms['reference'] / 1e9:>12.1f}")
+
+
+def print_few_rows() -> None:
+    from gemm import WEIGHTS
+    from harness import interleaved_ms
+
+    names = list(FEW_ROWS_CONFIGS)
+    print("Dense bf16 products of a few rows, us (!: output differs from cuBLAS's)")
+    print(f"{'K x N':<14}{'M':>6}" + "".join(f"{n:>16}" for n in names) + f"{'cuBLAS':>10}")
+    for k, n in WEIGHTS:
+        b = torch.randn(1, k, n, device="cuda", dtype=torch.bfloat16) / k**0.5
+        for m in FEW_ROWS_M:
+            a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            ref = a @ b[0]
+            outs = {name: torch.empty(m, n, device="cuda", dtype=torch.bfloat16) for name in names}
+            fns = {name: (lambda cfg=cfg, out=outs[name]: launch_gemm(a, b, out, None, True, cfg))
+                   for name, cfg in FEW_ROWS_CONFIGS.items()}
+            fns["cuBLAS"] = lambda: a @ b[0]
+            ms = interleaved_ms(fns)
+            wrong = {name: not torch.allclose(outs[name].float(), ref.float(), atol=5e-2, rtol=2e-2)
+                     for name in names}
+            print(f"{f'{k} x {n}':<14}{m:>6}"
+                  + "".join(f"{1e3 * ms[name]:>15.1f}{'!' if wrong[name] else ' '}" for name in names)
+                  + f"{1e3 * ms['cuBLAS']:>10.1f}")
+        torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":
