@@ -98,6 +98,23 @@ def test_clear_disk_removes_entries_and_nothing_else(fake):
     assert {n: (fake.writable / n).read_bytes() for n in files} == files
 
 
+@pytest.mark.parametrize("which", ["json", "o"])
+def test_a_folder_named_like_an_entry_file_stays_and_prune_goes_on(fake, which):
+    # An object beside a folder named like its sidecar (or the reverse): the
+    # regular file goes, the folder stays, and pruning removes the rest.
+    fake.writable.mkdir(mode=0o700)
+    compile_fake(1)
+    compile_fake(2)
+    first, second = sorted((fake.writable / FAMILY).glob("*.o"))
+    odd = first.with_suffix(f".{which}")
+    odd.unlink()
+    odd.mkdir()
+    layer = store.Layer(fake.writable, "writable", True)
+    removed, _ = maintenance.prune(layer, 0)
+    assert len(removed) == 2 and odd.is_dir()
+    assert sorted(p.name for p in (fake.writable / FAMILY).iterdir() if not p.name.endswith(".lock")) == [odd.name]
+
+
 def test_clear_refuses_an_untrusted_layer_and_removes_nothing(fake):
     compile_fake(1)
     os.chmod(fake.writable, 0o777)

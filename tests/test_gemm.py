@@ -466,6 +466,15 @@ def test_single_row_with_odd_row_stride():
     _close(quack.gemm(a, b), gemm_ref(a, b))
 
 
+def test_single_row_of_any_k():
+    # A decode row of K = 613: its row stride means nothing, so it is rounded up to 8.
+    torch.manual_seed(0)
+    a, b = _randn(1, 613), _randn(613, 136)
+    out = quack.gemm(a, b)
+    if not is_compile_only():
+        _close(out, gemm_ref(a, b))
+
+
 @pytest.mark.parametrize("tokens", [1, 7, 612, 1001])
 def test_weight_gradient_over_any_token_count(tokens):
     # K is the token count in a weight gradient xᵀ @ dy: TMA needs K's

@@ -71,6 +71,8 @@ def test_any_k_that_tma_can_address(monkeypatch):
     monkeypatch.setattr(Plan, "warm", lambda plan: None)
     assert quack.gemm(_cuda(12, 8).t(), _cuda(12, 16)).shape == (8, 16)
     assert quack.gemm(_cuda(12, 8).t(), _cuda(12, 16), cu_seqlens_k=_cuda(3, dtype=torch.int32)).shape == (2, 8, 16)
+    # One row of any K: a size-1 dim's stride means nothing, so it is rounded up.
+    assert quack.gemm(_cuda(1, 12), _cuda(12, 16)).shape == (1, 16)
     # dA = dC @ Bᵀ of such a K: its rows are stored padded to 8 columns (a view).
     ops = kernel_operands(_cuda(200, 136), _cuda(612, 136).t(), torch.bfloat16, None, "dense")
     assert ops.out.shape == (200, 612) and ops.out.stride() == (616, 1)

@@ -44,6 +44,32 @@ def test_dense_classes():
     assert roles == ["dense", "small_m"]
 
 
+def test_split_buffers_per_stream_kept_when_outgrown(monkeypatch):
+    """Buffers per stream; an outgrown one stays alive (a captured CUDA graph
+    may replay into it); an unsplit launch gets a token row and counter."""
+    class Stream:
+        def __init__(self, handle):
+            self.cuda_stream = handle
+
+    stream = Stream(1)
+    monkeypatch.setattr(split, "_BUFFERS", {})
+    monkeypatch.setattr(split.torch.cuda, "current_stream", lambda device: stream)
+    cfg, cpu = gemm_config(4096, m_class="small_m"), torch.device("cpu")
+    tile = cfg.tile_m * cfg.tile_n
+    workspace, counters = split.split_buffers(cfg, split.SplitPlan(tiles=1000, splits=1), cpu)
+    assert workspace.shape == (1, 4) and counters.shape == (1,)
+    workspace, counters = split.split_buffers(cfg, split.SplitPlan(tiles=4, splits=3), cpu)
+    assert workspace.shape == (3, 4 * tile) and counters.shape == (4,) and not counters.any()
+    first = workspace
+    workspace, _ = split.split_buffers(cfg, split.SplitPlan(tiles=8, splits=3), cpu)
+    assert workspace.shape == (3, 8 * tile) and workspace.data_ptr() != first.data_ptr()
+    (kept,) = split._BUFFERS.values()
+    assert any(old.data_ptr() == first.data_ptr() for old in kept.outgrown)
+    stream = Stream(2)
+    other, _ = split.split_buffers(cfg, split.SplitPlan(tiles=4, splits=3), cpu)
+    assert len(split._BUFFERS) == 2 and other.data_ptr() != workspace.data_ptr()
+
+
 def test_fast_path_passes_the_split_buffers_in_the_kernels_order(monkeypatch):
     """The small-M closure hands its launcher the current stream's buffers
     where the kernel declares them (a recording launcher; the GPU tests launch)."""
@@ -116,6 +142,7 @@ def test_streams_and_threads_do_not_share_counters():
     def work(i):
         try:
             stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.default_stream())  # the inputs and refs were made there
             a, b = operands[i]
             with torch.cuda.stream(stream):
                 outs = [quack.gemm(a, b) for _ in range(50)]
@@ -141,3 +168,4 @@ def test_a_contiguous_decode_row_reaches_the_kernel_as_it_comes():
     assert _unit_strides(row) is row
     odd = torch.randn(1, 200).as_strided((1, 64), (12, 1))
     assert _unit_strides(odd).stride() == (64, 1)
+    assert _unit_strides(torch.randn(1, 613)).stride() == (616, 1)

@@ -12,8 +12,9 @@ from cache_fixtures.env import cache_env  # noqa: F401  (fixture)
 
 import quack
 from quack.compile_only import compile_only_mode
-from quack.families.gemm.config import GROUP_CLASSES, LARGE_GROUP_ROWS, gemm_config
+from quack.families.gemm.config import GROUP_CLASSES, LARGE_GROUP_ROWS, SMALL_M_ROWS, gemm_config
 from quack.families.gemm.signature import GemmCall
+from quack.families.gemm.split import dense_class
 from quack.calls.plan import plan_for
 
 
@@ -50,6 +51,8 @@ def test_plans_hold_every_config_the_heuristic_picks():
             configs = {k.args[-1] for _, k in plan.kernels}
             for rows in sizes:
                 assert tuple(gemm_config(n, rows)) in configs, (n, rows)
+            for m in (1, SMALL_M_ROWS, SMALL_M_ROWS + 1, 4096) if grouping == "dense" else ():
+                assert tuple(gemm_config(n, m_class=dense_class(m))) in configs, (n, m)
     assert [role for role, _ in GROUP_CLASSES] == ["small_groups", "large_groups"]
 
 

@@ -163,16 +163,27 @@ def remove(entry: Entry) -> bool:
     miss, never an object passing as valid). False if its key is locked.
 
     Both of the key's files go, not only those the scan saw: an export that
-    finished between the scan and the lock may have added the one it lacked."""
+    finished between the scan and the lock may have added the one it lacked.
+    As in ``scan``, only regular files count: a folder or FIFO of an entry's
+    name stays."""
     check_removable(entry.layer)
     layer, family, keyhash = entry.layer, entry.family, entry.keyhash
     with try_key_lock(layer, family, keyhash) as locked:
         if not locked:
             return False
         for path in (layer.sidecar_path(family, keyhash), layer.object_path(family, keyhash)):
-            with contextlib.suppress(FileNotFoundError):
-                path.unlink()
+            if _regular_file(path):
+                with contextlib.suppress(FileNotFoundError):
+                    path.unlink()
     return True
+
+
+def _regular_file(path: Path) -> bool:
+    """Whether ``path`` is a regular file (through a link, as ``scan`` reads it)."""
+    try:
+        return stat.S_ISREG(path.stat().st_mode)
+    except OSError:
+        return False
 
 
 def _removable(entry: Entry) -> bool:

@@ -1,10 +1,12 @@
 """The persistent Hopper GEMM kernel: D = A @ B, dense or variable-length M.
 
-Roles (384 threads, one CTA per SM): warpgroup 0 is the producer, one warp of
-which issues the TMA loads of A and B into a ring of shared-memory stages;
-warpgroups 1 and 2 consume the stages with WGMMA, each owning half of the
-tile's rows (cooperative), then run the epilogue: accumulators to 16-bit,
-``stmatrix`` into a swizzled shared buffer, one TMA store per 128x32 subtile.
+Roles (one CTA per SM): warpgroup 0 is the producer, one warp of which
+issues the TMA loads of A and B into a ring of shared-memory stages; one
+consumer warpgroup per 64 rows of the tile (two for 128-row tiles, one for
+the 64-row tiles of split K) consumes the stages with WGMMA, each owning its
+rows (cooperative), then runs the epilogue: accumulators to 16-bit,
+``stmatrix`` into a swizzled shared buffer, one TMA store per tile_m x 32
+subtile.
 Clusters of two CTAs load a shared operand tile once and multicast it: along
 M they share B, along N they share A.
 

@@ -238,16 +238,13 @@ def _b_view(b: torch.Tensor):
 def _stored_by_tma(shape: tuple, dtype: torch.dtype, device) -> torch.Tensor:
     """A new output whose rows TMA can store: where the last dim is no
     multiple of 8 (the backward's dA of such a K), a view of rows padded to
-    one."""
+    one, the last row too (the kernel's predicated stores write whole 16-byte
+    vectors).  (``as_strided``, not a slice: fake CUDA tensors cannot be
+    sliced under a CPU-only torch.)"""
     n = shape[-1]
     padded = -(-n // ALIGN_ELEMENTS) * ALIGN_ELEMENTS
-    if padded == n:
-        return torch.empty(shape, device=device, dtype=dtype)
-    strides, pitch = [1], padded
-    for size in reversed(shape[:-1]):
-        strides.insert(0, pitch)
-        pitch *= size
-    return torch.empty_strided(shape, strides, device=device, dtype=dtype)
+    rows = torch.empty((*shape[:-1], padded), device=device, dtype=dtype)
+    return rows if padded == n else rows.as_strided(shape, rows.stride())
 
 
 def _row_major(t: torch.Tensor) -> torch.Tensor:
@@ -261,14 +258,16 @@ def _row_major(t: torch.Tensor) -> torch.Tensor:
 
 def _unit_strides(t: torch.Tensor) -> torch.Tensor:
     """The same view with each size-1 dim's (meaningless) stride replaced by
-    the extent of what follows it, so every stride meets TMA's rules (a
-    tensor whose last dim is the contiguous one)."""
+    the extent of what follows it rounded up to 8 elements, so every stride
+    meets TMA's rules (a tensor whose last dim is the contiguous one): a
+    single row of any K is read."""
     if 1 not in t.shape[:-1]:
         return t
     strides = list(t.stride())
     for dim in range(t.dim() - 2, -1, -1):
         if t.shape[dim] == 1:
-            strides[dim] = t.shape[dim + 1] * strides[dim + 1]
+            extent = t.shape[dim + 1] * strides[dim + 1]
+            strides[dim] = -(-extent // ALIGN_ELEMENTS) * ALIGN_ELEMENTS
     # (``t`` itself where nothing changes, as for a contiguous decode row: the
     # fast path passes the caller's tensor and takes only an operand that is.)
     return t if tuple(strides) == t.stride() else t.as_strided(t.shape, strides)

@@ -6,8 +6,7 @@ A product with fewer output tiles than the GPU has CTA slots (a few rows of
 tokens times a weight) would leave most SMs idle, each busy one walking all
 of K; split K gives every tile S consecutive K ranges instead.  S depends on
 the tile count, K and the device, never on the data, so a call's bits are
-the same from run to run; it can change with M only where M changes the
-tile count (more than one row of tiles)."""
+the same from run to run."""
 
 from __future__ import annotations
 
@@ -49,11 +48,27 @@ def dense_class(m: int) -> str:
 class _Buffers:
     """One stream's workspace and counters, grown on demand.  Per stream:
     launches on one stream run one after another, so they can share them;
-    launches on two streams may overlap, so they must not."""
+    launches on two streams may overlap, so they must not.  Outgrown buffers
+    are kept: a CUDA graph captured with them replays into them."""
 
     def __init__(self):
         self.workspace = None  # flat fp32
         self.counters = None  # int32 zeros (each launch's finalizers leave them zero)
+        self.outgrown = []
+
+    def grow(self, workspace: int, counters: int, device: torch.device) -> None:
+        """At least ``workspace`` floats and ``counters`` counters (doubling, so
+        the outgrown ones add up to less than the current ones)."""
+        self.workspace = self._at_least(self.workspace, workspace, torch.empty, torch.float32, device)
+        self.counters = self._at_least(self.counters, counters, torch.zeros, torch.int32, device)
+
+    def _at_least(self, buffer, numel: int, make, dtype: torch.dtype, device: torch.device):
+        if buffer is not None and buffer.numel() >= numel:
+            return buffer
+        if buffer is not None:
+            self.outgrown.append(buffer)
+            numel = max(numel, 2 * buffer.numel())
+        return make(numel, device=device, dtype=dtype)
 
 
 _BUFFERS: dict[tuple[int, int], _Buffers] = {}
@@ -76,14 +91,12 @@ def split_plan(cfg: GemmConfig, m: int, n: int, k: int, max_clusters: int) -> Sp
 
 def split_buffers(cfg: GemmConfig, split: SplitPlan, device: torch.device):
     """(workspace (S, W), counters (tiles,)) for a launch split as ``split``
-    on the current stream of ``device``."""
-    splits, tiles = split.splits, split.tiles
+    on the current stream of ``device``.  An unsplit launch (S = 1) touches
+    neither: it gets one 16-byte row and one counter."""
+    splits = split.splits
+    width, tiles = (split.tiles * cfg.tile_m * cfg.tile_n, split.tiles) if splits > 1 else (4, 1)
     stream = torch.cuda.current_stream(device)
     with _LOCK:
         buffers = _BUFFERS.setdefault((device.index or 0, stream.cuda_stream), _Buffers())
-        width = tiles * cfg.tile_m * cfg.tile_n
-        if buffers.workspace is None or buffers.workspace.numel() < splits * width:
-            buffers.workspace = torch.empty(splits * width, device=device, dtype=torch.float32)
-        if buffers.counters is None or buffers.counters.numel() < tiles:
-            buffers.counters = torch.zeros(tiles, device=device, dtype=torch.int32)
+        buffers.grow(splits * width, tiles, device)
         return buffers.workspace[: splits * width].view(splits, width), buffers.counters[:tiles]
