@@ -3,8 +3,9 @@
 # output base BASE, checks which kernel actions (QuackKernel, one per object) a rebuild of
 # //quack:warm_cache runs, reading Bazel's JSON execution log. On the CI selection:
 #   1. a no-op rebuild runs none;
-#   2. a GEMM test case that needs one new kernel, then the lists' refresh
-#      (tools/bazel run //tools:kernel_lists -- --update): exactly one runs;
+#   2. a GEMM test case that needs one new dense signature, then the lists' refresh
+#      (tools/bazel run //tools:kernel_lists -- --update): exactly its two objects run (a dense
+#      plan holds the default and the split-K class of M);
 #   3. a test edit that needs no new kernel, then the refresh: the lists stay as they are, none runs.
 # On the smoke selection (check_lib.sh's SMOKE):
 #   4. a no-op rebuild runs none;
@@ -45,7 +46,7 @@ incremental_steps() {
   expect ""
 
   # A user's new test: an fp16 product with a float32 output and a column-major A, which no list
-  # holds (one object: the forward; no gradient is taken).
+  # holds (its dense plan's two objects, one per class of M; no gradient is taken).
   cat >>"$c/tests/test_gemm.py" <<'PY'
 
 
@@ -55,8 +56,8 @@ def test_check_bazel_incremental_new_case():
     _close(quack.gemm(a, b, out_dtype=torch.float32), gemm_ref(a, b, out_dtype=torch.float32))
 PY
   refresh_lists
-  build_and_count "a GEMM test case that needs one new kernel (lists refreshed)"
-  expect "//quack:units_gemm=1"
+  build_and_count "a GEMM test case that needs one new signature (lists refreshed)"
+  expect "//quack:units_gemm=2"
 
   cp -a "$c/tools/kernels" "$work/lists-before"
   sed -i 's/atol=5e-2, rtol=2e-2/atol=6e-2, rtol=2e-2/' "$c/tests/test_gemm.py"
