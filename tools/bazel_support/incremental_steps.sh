@@ -88,5 +88,5 @@ PY
   new_env=$(env_in_use)
   [[ -n "$new_env" && "$new_env" != "$old_env" ]] || fail "the lock change did not make a new environment"
   rm -rf "$new_env" "$new_env.lock"
-  log "OK: no-op none; new GEMM test case 1; test edit none; shared and lock edits $every; family edit $one"
+  log "OK: no-op none; new GEMM signature 2; test edit none; shared and lock edits $every; family edit $one"
 }
