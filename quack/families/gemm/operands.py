@@ -242,9 +242,14 @@ def _stored_by_tma(shape: tuple, dtype: torch.dtype, device) -> torch.Tensor:
     vectors).  (``as_strided``, not a slice: fake CUDA tensors cannot be
     sliced under a CPU-only torch.)"""
     n = shape[-1]
-    padded = -(-n // ALIGN_ELEMENTS) * ALIGN_ELEMENTS
+    padded = _aligned(n)
     rows = torch.empty((*shape[:-1], padded), device=device, dtype=dtype)
     return rows if padded == n else rows.as_strided(shape, rows.stride())
+
+
+def _aligned(elements: int) -> int:
+    """``elements`` rounded up to a multiple of 8 (16 bytes of a 16-bit dtype)."""
+    return -(-elements // ALIGN_ELEMENTS) * ALIGN_ELEMENTS
 
 
 def _row_major(t: torch.Tensor) -> torch.Tensor:
@@ -266,8 +271,7 @@ def _unit_strides(t: torch.Tensor) -> torch.Tensor:
     strides = list(t.stride())
     for dim in range(t.dim() - 2, -1, -1):
         if t.shape[dim] == 1:
-            extent = t.shape[dim + 1] * strides[dim + 1]
-            strides[dim] = -(-extent // ALIGN_ELEMENTS) * ALIGN_ELEMENTS
+            strides[dim] = _aligned(t.shape[dim + 1] * strides[dim + 1])
     # (``t`` itself where nothing changes, as for a contiguous decode row: the
     # fast path passes the caller's tensor and takes only an operand that is.)
     return t if tuple(strides) == t.stride() else t.as_strided(t.shape, strides)
