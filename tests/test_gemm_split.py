@@ -11,7 +11,7 @@ import torch
 import quack
 from quack.families.gemm import op as gemm_op
 from quack.families.gemm import split
-from quack.families.gemm.config import SMALL_M_ROWS, gemm_config
+from quack.families.gemm.config import MID_M_ROWS, SMALL_M_ROWS, gemm_config
 from quack.families.gemm.split import dense_class
 from quack.families.gemm.product import launch_gemm
 from quack.families.gemm.signature import GemmCall
@@ -34,14 +34,23 @@ def test_split_count_fills_one_wave_with_whole_steps():
 
 
 def test_dense_classes():
-    assert dense_class(1) == dense_class(SMALL_M_ROWS) == "small_m"
-    assert dense_class(SMALL_M_ROWS + 1) == "dense"
-    small = gemm_config(4096, m_class="small_m")
+    # A decode step: the 64-row split object, whatever N.
+    assert dense_class(1, 4096, 132) == dense_class(SMALL_M_ROWS, 128256, 132) == "small_m"
+    # One tile row of 128: the 128-row split object, even over several waves
+    # (the default's pairs of tile rows would leave half its CTAs idle).
+    assert dense_class(SMALL_M_ROWS + 1, 4096, 132) == dense_class(128, 28672, 132) == "mid_m"
+    # More rows: the 128-row object while its tiles fit in one wave.
+    assert dense_class(256, 4096, 132) == dense_class(MID_M_ROWS, 4096, 132) == "mid_m"
+    assert dense_class(129, 14336, 132) == dense_class(256, 8704, 132) == "dense"
+    assert dense_class(256, 8704, 264) == "mid_m"
+    assert dense_class(MID_M_ROWS + 1, 128, 132) == dense_class(8192, 4096, 132) == "dense"
+    small, mid = gemm_config(4096, m_class="small_m"), gemm_config(4096, m_class="mid_m")
     assert small.split_k and (small.tile_m, small.tile_n) == (64, 128) and small.cluster_m == small.cluster_n == 1
+    assert mid.split_k and (mid.tile_m, mid.tile_n) == (128, 128) and mid.cluster_m == mid.cluster_n == 1
     assert not gemm_config(4096).split_k
     roles = [role for role, _ in GemmCall("bfloat16", "bfloat16", False, True, "dense", 256, False, 0, None,
                                           None).kernels()]
-    assert roles == ["dense", "small_m"]
+    assert roles == ["dense", "small_m", "mid_m"]
 
 
 def test_split_buffers_per_stream_kept_when_outgrown(monkeypatch):
@@ -100,14 +109,15 @@ def _operands(m, k, n, dtype=torch.bfloat16):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m", [1, 2, 37, 64])
+@pytest.mark.parametrize("m_class,m", [("small_m", 1), ("small_m", 2), ("small_m", 37), ("small_m", 64),
+                                       ("mid_m", 1), ("mid_m", 65), ("mid_m", 130), ("mid_m", 256)])
 @pytest.mark.parametrize("k,n", [(8, 136), (72, 264), (64 * 41 + 8, 520), (4104, 4096)])
-def test_every_split_count_sums_right(m, k, n):
+def test_every_split_count_sums_right(m_class, m, k, n):
     """Splits of unequal lengths, and more splits than K steps (the extra
     ones sum zeros), against fp32 torch; each count twice with the same bits."""
     a, b = _operands(m, k, n)
     ref = a.float() @ b.float()
-    cfg = gemm_config(n, m_class="small_m")
+    cfg = gemm_config(n, m_class=m_class)
     for splits in (1, 2, 3, 5, 16):
         out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
         launch_gemm(a, b.unsqueeze(0), out, None, True, cfg, splits=splits)
@@ -118,7 +128,7 @@ def test_every_split_count_sums_right(m, k, n):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m", [1, 16, 64])
+@pytest.mark.parametrize("m", [1, 16, 64, 100, 256])  # both split classes
 def test_decode_call_is_deterministic_and_leaves_counters_zero(m):
     a, b = _operands(m, 4096, 4096)
     first = quack.gemm(a, b)

@@ -12,7 +12,7 @@ from cache_fixtures.env import cache_env  # noqa: F401  (fixture)
 
 import quack
 from quack.compile_only import compile_only_mode
-from quack.families.gemm.config import GROUP_CLASSES, LARGE_GROUP_ROWS, SMALL_M_ROWS, gemm_config
+from quack.families.gemm.config import GROUP_CLASSES, LARGE_GROUP_ROWS, MID_M_ROWS, SMALL_M_ROWS, gemm_config
 from quack.families.gemm.signature import GemmCall
 from quack.families.gemm.split import dense_class
 from quack.calls.plan import plan_for
@@ -39,7 +39,7 @@ def test_sentinel_sized_varlen_call_exports_every_candidate(cache_env):  # noqa:
     dense = plan_for(GemmCall("bfloat16", "bfloat16", False, True, "dense", 256, False, 0, None, None))
     expected = sorted((k.args[4], k.args[-1]) for p in (varlen, dense) for _, k in p.kernels)
     assert _configs_in(cache_env.writable) == expected
-    assert len(expected) == 4
+    assert len(expected) == 5
 
 
 def test_plans_hold_every_config_the_heuristic_picks():
@@ -51,8 +51,9 @@ def test_plans_hold_every_config_the_heuristic_picks():
             configs = {k.args[-1] for _, k in plan.kernels}
             for rows in sizes:
                 assert tuple(gemm_config(n, rows)) in configs, (n, rows)
-            for m in (1, SMALL_M_ROWS, SMALL_M_ROWS + 1, 4096) if grouping == "dense" else ():
-                assert tuple(gemm_config(n, m_class=dense_class(m))) in configs, (n, m)
+            for m in (1, SMALL_M_ROWS, SMALL_M_ROWS + 1, MID_M_ROWS, 4096) if grouping == "dense" else ():
+                for slots in (1, 132, 1024):
+                    assert tuple(gemm_config(n, m_class=dense_class(m, n, slots))) in configs, (n, m, slots)
     assert [role for role, _ in GROUP_CLASSES] == ["small_groups", "large_groups"]
 
 
@@ -74,4 +75,4 @@ def test_training_call_warms_its_backward_products(cache_env):  # noqa: F811
     keys = [json.loads(p.read_text())["key"]["args"] for p in (cache_env.writable / "gemm").glob("*.json")]
     exported = sorted((k["a_m_major"], k["b_n_major"], tuple(k["config"])) for k in keys)
     assert exported == sorted((k.args[2], k.args[3], k.args[-1]) for _, k in plan_for(sig).kernels)
-    assert len(exported) == 6
+    assert len(exported) == 9

@@ -4,8 +4,8 @@
 # //quack:warm_cache runs, reading Bazel's JSON execution log. On the CI selection:
 #   1. a no-op rebuild runs none;
 #   2. a GEMM test case that needs one new dense signature, then the lists' refresh
-#      (tools/bazel run //tools:kernel_lists -- --update): exactly its two objects run (a dense
-#      plan holds the default and the split-K class of M);
+#      (tools/bazel run //tools:kernel_lists -- --update): exactly its three objects run (a dense
+#      plan holds one per class of M: the default and the two split-K ones);
 #   3. a test edit that needs no new kernel, then the refresh: the lists stay as they are, none runs.
 # On the smoke selection (check_lib.sh's SMOKE):
 #   4. a no-op rebuild runs none;
@@ -46,7 +46,7 @@ incremental_steps() {
   expect ""
 
   # A user's new test: an fp16 product with a float32 output and a column-major A, which no list
-  # holds (its dense plan's two objects, one per class of M; no gradient is taken).
+  # holds (its dense plan's three objects, one per class of M; no gradient is taken).
   cat >>"$c/tests/test_gemm.py" <<'PY'
 
 
@@ -57,7 +57,7 @@ def test_check_bazel_incremental_new_case():
 PY
   refresh_lists
   build_and_count "a GEMM test case that needs one new signature (lists refreshed)"
-  expect "//quack:units_gemm=2"
+  expect "//quack:units_gemm=3"
 
   cp -a "$c/tools/kernels" "$work/lists-before"
   sed -i 's/atol=5e-2, rtol=2e-2/atol=6e-2, rtol=2e-2/' "$c/tests/test_gemm.py"
@@ -88,5 +88,5 @@ PY
   new_env=$(env_in_use)
   [[ -n "$new_env" && "$new_env" != "$old_env" ]] || fail "the lock change did not make a new environment"
   rm -rf "$new_env" "$new_env.lock"
-  log "OK: no-op none; new GEMM signature 2; test edit none; shared and lock edits $every; family edit $one"
+  log "OK: no-op none; new GEMM signature 3; test edit none; shared and lock edits $every; family edit $one"
 }

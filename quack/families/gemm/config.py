@@ -9,7 +9,9 @@ each A tile): a cluster then spans 128 rows, not 256, and the partial tile at
 the end of each group wastes half as much.  N <= 128 uses 128 x 128 tiles so
 that half of each tile is not wasted.  A dense GEMM of a few rows (at most
 ``SMALL_M_ROWS``) uses 64 x 128 tiles without clusters, K split over several
-CTAs so that every SM streams a share of B (``split.py``).  Measured in
+CTAs so that every SM streams a share of B (``split.py``); up to
+``MID_M_ROWS`` rows, 128 x 128 tiles split the same way, where
+``split.dense_class`` says they beat the default.  Measured in
 tools/bench/gemm_configs.py; no autotuning happens at call time.
 """
 
@@ -27,15 +29,17 @@ LARGE_GROUP_ROWS = 2048  # varlen: from this many rows per group on, clusters pa
 
 # dense; grouped by rows (cu_seqlens_m); grouped along K (cu_seqlens_k).
 GROUPINGS = ("dense", "varlen_m", "varlen_k")
-SMALL_M_ROWS = 64  # dense: up to this many rows, the split-K object runs
+SMALL_M_ROWS = 64  # dense: up to this many rows, the 64-row split-K object runs
+MID_M_ROWS = 512  # dense: up to this many rows, the 128-row split-K object may run
 
 # A varlen-M plan holds one object per class of rows per group: which one
 # runs depends on a runtime size (and on a sentinel under compile-only).
 GROUP_CLASSES = (("small_groups", 1.0), ("large_groups", float(LARGE_GROUP_ROWS)))
 # A dense plan likewise holds one object per class of M: a few rows of tokens
 # (a decode step) run 64-row tiles with K split (``split.py``), which fills
-# the GPU where one row of tiles alone would not.
-DENSE_CLASSES = ("dense", "small_m")
+# the GPU where one row of tiles alone would not; a few hundred rows run
+# 128-row tiles split the same way.
+DENSE_CLASSES = ("dense", "small_m", "mid_m")
 
 
 class GemmConfig(NamedTuple):
@@ -57,6 +61,8 @@ def gemm_config(n: int, rows_per_group: Optional[float] = None, m_class: str = "
     if m_class == "small_m":
         # (128 columns whatever N: twice the tiles to spread over the SMs.)
         return GemmConfig(tile_m=64, tile_n=128, cluster_m=1, cluster_n=1, split_k=True)
+    if m_class == "mid_m":
+        return GemmConfig(tile_m=128, tile_n=128, cluster_m=1, cluster_n=1, split_k=True)
     if rows_per_group is not None and rows_per_group < LARGE_GROUP_ROWS:
         # Pair CTAs along N: a cluster then spans 128 rows, not 256, and the
         # partial tile that ends each group wastes half as much.

@@ -13,7 +13,7 @@ from quack.calls import torch_interop as ti
 from quack.calls.cute_op import cute_op
 from quack.calls.plan import Kernel, Plan, plan_for
 from quack.compile_only import is_compile_only
-from quack.families.gemm.config import GemmConfig, group_class, kernel_grouping, resident_clusters
+from quack.families.gemm.config import GemmConfig, gemm_config, group_class, kernel_grouping, resident_clusters
 from quack.families.gemm.epilogue import TORCH_ACTIVATIONS, parse_epilogue
 from quack.families.gemm.operands import Operands, check_tma, columns
 from quack.families.gemm.signature import GEMM, compile_gemm, plan_of, signature_of
@@ -86,7 +86,8 @@ def run_role(plan: Plan, ops: Operands) -> str:
     if grouping == "varlen_m":
         return group_class(ops.a.shape[0] / max(1, ops.b3.shape[0]))
     if grouping == "dense":
-        return dense_class(ops.a.shape[0])
+        n = columns(ops.b3, ops.b_n_major)
+        return dense_class(ops.a.shape[0], n, resident_clusters(gemm_config(n, m_class="mid_m"), ops.a.device))
     return grouping
 
 
