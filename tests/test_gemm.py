@@ -48,8 +48,8 @@ def _cu(lengths):
 # (B is the parameter), and the GEMM's size classes:
 # M: none, one row, two, around the 64-row tile of the split-K class of a
 #    few rows (63, 64, 65), a partial 128-row tile, two whole ones and one
-#    row past them (256, 257), many tiles (for grouped calls, the total over
-#    the groups);
+#    row past them (256, 257; dense: the 128-row split-K class), many tiles
+#    (the default object; for grouped calls, the total over the groups);
 # K: none (zeros), one 8-wide step (below the 64-wide k-tile), an odd
 #    multiple of 8 below one k-tile and above it, many k-tiles, and 65 of
 #    them (split K: its splits of unequal lengths);

@@ -11,7 +11,7 @@ import torch
 import quack
 from quack.families.gemm import op as gemm_op
 from quack.families.gemm import split
-from quack.families.gemm.config import MID_M_ROWS, SMALL_M_ROWS, gemm_config
+from quack.families.gemm.config import MID_M_ROWS, SMALL_M_ROWS, gemm_config, resident_clusters
 from quack.families.gemm.split import dense_class
 from quack.families.gemm.product import launch_gemm
 from quack.families.gemm.signature import GemmCall
@@ -79,24 +79,26 @@ def test_split_buffers_per_stream_kept_when_outgrown(monkeypatch):
     assert len(split._BUFFERS) == 2 and other.data_ptr() != workspace.data_ptr()
 
 
-def test_fast_path_passes_the_split_buffers_in_the_kernels_order(monkeypatch):
-    """The small-M closure hands its launcher the current stream's buffers
+@pytest.mark.parametrize("rows", [2, 100])  # the 64-row and the 128-row split classes
+def test_fast_path_passes_the_split_buffers_in_the_kernels_order(monkeypatch, rows):
+    """The split classes' closure hands its launcher the current stream's buffers
     where the kernel declares them (a recording launcher; the GPU tests launch)."""
     calls = []
     monkeypatch.setattr(gemm_op.fastpath, "direct", lambda plan, role, device, rows=None: lambda *a: calls.append(a))
     buffers = (torch.zeros(3, 4), torch.zeros(4, dtype=torch.int32))
     monkeypatch.setattr(gemm_op, "split_buffers", lambda cfg, sp, device: buffers)
-    a, b = torch.randn(2, 4096), torch.randn(4096, 4096)
+    a, b = torch.randn(rows, 4096), torch.randn(4096, 4096)
     ops, _ = gemm_op.call_operands(a, b, a.dtype, None, None, None, None, False)
     plan = plan_for(gemm_op.signature_of(ops))
-    run = gemm_op._dense_closure(plan, "small_m", ops, ops.out)
+    role = dense_class(rows, 4096, 132)
+    run = gemm_op._dense_closure(plan, role, ops, ops.out)
     out = run(a, b, None, None, 0)
-    names = plan.kernel_of("small_m").launch.parameters
+    names = plan.kernel_of(role).launch.parameters
     (args,) = calls
     assert len(args) == len(names)
     by_name = dict(zip(names, args))
     assert by_name["stream"] is None  # (the launcher reads it)
-    assert by_name["a"] is a and by_name["d"] is out and out.shape == (2, 4096)
+    assert by_name["a"] is a and by_name["d"] is out and out.shape == (rows, 4096)
     assert by_name["workspace"] is buffers[0] and by_name["counters"] is buffers[1]
     assert by_name["max_clusters"] > 0 and by_name["bias"] is None
 
@@ -138,6 +140,24 @@ def test_decode_call_is_deterministic_and_leaves_counters_zero(m):
     torch.testing.assert_close(first.float(), a.float() @ b.float(), atol=5e-2, rtol=2e-2)
     for buffers in split._BUFFERS.values():
         assert int(buffers.counters.count_nonzero()) == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,n,role", [
+    (100, 40960, "mid_m"),  # one tile row over several waves, unsplit
+    (300, 1024, "mid_m"),  # few tiles: split
+    (300, 17408, "dense"),  # too many 128 x 128 tiles for one wave
+    (513, 1024, "dense"),  # past the split classes
+])
+def test_each_class_of_a_few_hundred_rows(m, n, role):
+    """quack.gemm where the class rule picks each object, against fp32 torch
+    (with a bias, so the split epilogue's extras run too)."""
+    a, b = _operands(m, 1032, n)
+    bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    slots = resident_clusters(gemm_config(n, m_class="mid_m"), a.device)
+    assert dense_class(m, n, slots) == role
+    out = quack.gemm(a, b, bias=bias)
+    torch.testing.assert_close(out.float(), a.float() @ b.float() + bias.float(), atol=5e-2, rtol=2e-2)
 
 
 @pytest.mark.gpu

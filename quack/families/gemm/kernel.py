@@ -3,7 +3,7 @@
 Roles (one CTA per SM): warpgroup 0 is the producer, one warp of which
 issues the TMA loads of A and B into a ring of shared-memory stages; one
 consumer warpgroup per 64 rows of the tile (two for 128-row tiles, one for
-the 64-row tiles of split K) consumes the stages with WGMMA, each owning its
+64-row ones) consumes the stages with WGMMA, each owning its
 rows (cooperative), then runs the epilogue: accumulators to 16-bit,
 ``stmatrix`` into a swizzled shared buffer, one TMA store per tile_m x 32
 subtile.
@@ -64,7 +64,8 @@ tile's ``counters`` entry; the split that counts last sums the S slots in
 split order (so the bits do not depend on which split finished last),
 resets the counter to zero for the next launch, and runs the epilogue; the
 others store nothing else.  No split waits for another.  For a problem whose
-tiles alone leave most SMs idle (a few rows of tokens times a weight).
+tiles alone leave most SMs idle (up to a few hundred rows of tokens times a
+weight).
 
 Nothing here depends on M, N, K or the number of groups: they are dynamic, so
 one compiled object serves every problem size (see ``quack/families/gemm/signature.py``).
