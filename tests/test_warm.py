@@ -191,7 +191,11 @@ def test_bazel_run_imports_the_checkout_and_writes_where_the_user_ran_it(tmp_pat
     runfiles.mkdir(parents=True)
     user.mkdir()
     shutil.copy(REPO / "tools/warm_cache.py", runfiles)
-    env = dict(_env(tmp_path), PYTHONPATH="", BUILD_WORKSPACE_DIRECTORY=str(REPO), BUILD_WORKING_DIRECTORY=str(user))
+    # The checkout must come from BUILD_WORKSPACE_DIRECTORY, not PYTHONPATH; what else PYTHONPATH
+    # holds stays (on some machines the CuTe DSL is importable only through it).
+    others = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and Path(p).resolve() != REPO]
+    env = dict(_env(tmp_path), PYTHONPATH=os.pathsep.join(others), BUILD_WORKSPACE_DIRECTORY=str(REPO),
+               BUILD_WORKING_DIRECTORY=str(user))
     tool = subprocess.run([sys.executable, str(runfiles / "warm_cache.py"), "--out=objects", f"--unit={unit.text}"],
                           env=env, capture_output=True, text=True, timeout=300, cwd=runfiles.parent)
     assert tool.returncode == 0, tool.stderr
