@@ -4,6 +4,7 @@
     ncu --clock-control none --profile-from-start off --section SpeedOfLight --section LaunchStats \\
         --section Occupancy --section MemoryWorkloadAnalysis --section WarpStateStats \\
         python tools/bench/gemm_fixed_cost.py --ncu    # each call once, for the profiler
+    python tools/bench/gemm_fixed_cost.py --timeline   # the GPU's timeline of back-to-back calls
 
 The sweep times quack.gemm and ``A @ B`` (cuBLAS) at a few rows over K, two
 ways in the same run: ``do_bench`` (L2 flushed before each call) and 20
@@ -16,6 +17,11 @@ split count can remove.
 cuBLAS once each between ``torch.cuda.profiler.start()`` and ``stop()``, at
 M = 16 and 128 of the 4096 x 4096 and 14336 x 4096 weights, so that ncu's
 kernel durations can be set beside the event timing.
+
+``--timeline`` queues six calls behind a GPU sleep (so the CPU's cost does
+not show) and lists what the GPU ran for them (torch.profiler, CUPTI):
+every kernel and memset with its duration and the gap before it, and the
+CUDA API calls that launched them.
 """
 
 from __future__ import annotations
@@ -105,10 +111,50 @@ def once_each() -> None:
     torch.cuda.profiler.stop()
 
 
+def timeline() -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    for k, n, m in ((4096, 4096, 16), (4096, 4096, 128), (14336, 4096, 16)):
+        a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        weights = [torch.randn(k, n, device="cuda", dtype=torch.bfloat16) / k**0.5 for _ in range(6)]
+        contenders = {"quack": lambda b: quack.gemm(a, b), "cuBLAS": lambda b: a @ b}
+        for call in contenders.values():  # loads and first-call setup, outside the profile
+            call(weights[0])
+        torch.cuda.synchronize()
+        for name, call in contenders.items():
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                torch.cuda._sleep(2_000_000)
+                for b in weights:
+                    call(b)
+                torch.cuda.synchronize()
+            on_gpu = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+                             and "sleep" not in e.name), key=lambda e: e.time_range.start)
+            ops, previous_end = [], None
+            for e in on_gpu:
+                gap = "" if previous_end is None else f" after {e.time_range.start - previous_end:.1f}"
+                ops.append(f"{e.name[:32]} {e.time_range.end - e.time_range.start:.1f}{gap}")
+                previous_end = e.time_range.end
+            span = on_gpu[-1].time_range.end - on_gpu[0].time_range.start
+            print(f"{k}x{n} M={m} {name}: {len(on_gpu)} GPU ops in {span:.1f} us, {span / len(weights):.1f} per call")
+            print("   " + " | ".join(ops[:8]))
+            api: dict[str, list[float]] = {}
+            for e in prof.events():
+                if e.device_type != torch.autograd.DeviceType.CUDA and (e.name.startswith("cu") or "Launch" in e.name):
+                    api.setdefault(e.name, []).append(e.time_range.end - e.time_range.start)
+            print("   API: " + ", ".join(f"{call_name} x{len(t)} {sum(t) / len(t):.1f} us" for call_name, t in api.items()))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ncu", action="store_true", help="each call once between profiler start and stop")
-    once_each() if parser.parse_args().ncu else sweep()
+    parser.add_argument("--timeline", action="store_true", help="the GPU's timeline of back-to-back calls")
+    args = parser.parse_args()
+    if args.ncu:
+        once_each()
+    elif args.timeline:
+        timeline()
+    else:
+        sweep()
 
 
 if __name__ == "__main__":
