@@ -79,6 +79,32 @@ def test_split_buffers_per_stream_kept_when_outgrown(monkeypatch):
     assert len(split._BUFFERS) == 2 and other.data_ptr() != workspace.data_ptr()
 
 
+def test_fast_path_keeps_each_streams_buffers(monkeypatch):
+    """The fast path's getter builds a stream's views once, and keeps them
+    when that stream's buffers grow (the outgrown ones stay alive)."""
+    class Stream:
+        def __init__(self, handle):
+            self.cuda_stream = handle
+
+    streams = {1: Stream(1), 2: Stream(2)}
+    current = [1]
+    monkeypatch.setattr(split, "_BUFFERS", {})
+    monkeypatch.setattr(split.torch.cuda, "current_stream", lambda device: streams[current[0]])
+    monkeypatch.setattr(split.torch._C, "_cuda_getCurrentRawStream", lambda index: current[0])
+    cfg, cpu = gemm_config(4096, m_class="small_m"), torch.device("cpu")
+    buffers = split.stream_buffers(cfg, split.SplitPlan(tiles=4, splits=3), cpu)
+    first = buffers()
+    assert first[0].shape == (3, 4 * cfg.tile_m * cfg.tile_n) and first[1].shape == (4,)
+    split.split_buffers(cfg, split.SplitPlan(tiles=64, splits=3), cpu)  # stream 1's buffers grow
+    again = buffers()
+    assert again[0] is first[0] and again[1] is first[1]
+    (kept,) = split._BUFFERS.values()
+    assert any(old.data_ptr() == first[0].data_ptr() for old in kept.outgrown)
+    current[0] = 2
+    other = buffers()
+    assert other[0].data_ptr() != first[0].data_ptr() and other[1].data_ptr() != first[1].data_ptr()
+
+
 @pytest.mark.parametrize("rows", [2, 100])  # the 64-row and the 128-row split classes
 def test_fast_path_passes_the_split_buffers_in_the_kernels_order(monkeypatch, rows):
     """The split classes' closure hands its launcher the current stream's buffers
@@ -86,7 +112,7 @@ def test_fast_path_passes_the_split_buffers_in_the_kernels_order(monkeypatch, ro
     calls = []
     monkeypatch.setattr(gemm_op.fastpath, "direct", lambda plan, role, device, rows=None: lambda *a: calls.append(a))
     buffers = (torch.zeros(3, 4), torch.zeros(4, dtype=torch.int32))
-    monkeypatch.setattr(gemm_op, "split_buffers", lambda cfg, sp, device: buffers)
+    monkeypatch.setattr(gemm_op, "stream_buffers", lambda cfg, sp, device: lambda: buffers)
     a, b = torch.randn(rows, 4096), torch.randn(4096, 4096)
     ops, _ = gemm_op.call_operands(a, b, a.dtype, None, None, None, None, False)
     plan = plan_for(gemm_op.signature_of(ops))

@@ -41,6 +41,8 @@ FEW_ROWS_CONFIGS = {
     "default": GemmConfig(),
     "64x128 split": GemmConfig(tile_m=64, tile_n=128, cluster_m=1, cluster_n=1, split_k=True),
     "128x128 split": GemmConfig(tile_m=128, tile_n=128, cluster_m=1, cluster_n=1, split_k=True),
+    "64x64 split": GemmConfig(tile_m=64, tile_n=64, cluster_m=1, cluster_n=1, split_k=True),
+    "128x64 split": GemmConfig(tile_m=128, tile_n=64, cluster_m=1, cluster_n=1, split_k=True),
 }
 FEW_ROWS_M = [1, 16, 64, 65, 128, 192, 256, 384, 512]
 PROBLEMS = [("dense", 8192, 8192, 8192, None), ("dense", 4096, 4096, 4096, None), ("dense", 8192, 4096, 4096, None),

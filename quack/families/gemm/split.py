@@ -11,7 +11,7 @@ the same from run to run."""
 from __future__ import annotations
 
 import threading
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -110,3 +110,22 @@ def split_buffers(cfg: GemmConfig, split: SplitPlan, device: torch.device):
         buffers = _BUFFERS.setdefault((device.index or 0, stream.cuda_stream), _Buffers())
         buffers.grow(splits * width, tiles, device)
         return buffers.workspace[: splits * width].view(splits, width), buffers.counters[:tiles]
+
+
+def stream_buffers(cfg: GemmConfig, split: SplitPlan, device: torch.device) -> Callable[[], tuple]:
+    """``split_buffers`` for the fast path's calls split as ``split``, kept
+    per stream: a repeated call then costs one dict lookup, not the views'
+    construction.  A kept view stays valid when its stream's buffers grow
+    (outgrown buffers are kept, and its counters stay zero between launches)."""
+    index = device.index or 0
+    kept: dict[int, tuple] = {}
+    raw_stream = torch._C._cuda_getCurrentRawStream
+
+    def buffers() -> tuple:
+        stream = raw_stream(index)
+        found = kept.get(stream)
+        if found is None:
+            found = kept[stream] = split_buffers(cfg, split, device)
+        return found
+
+    return buffers
