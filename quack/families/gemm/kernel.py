@@ -59,7 +59,8 @@ Split K (``cfg.split_k``, dense only): ``workspace`` (S, W) fp32 gives the
 split count S, and each output tile becomes S work items that contract over
 consecutive ranges of K's 64-column steps (numbered with the split fastest,
 so a tile's splits run side by side).  Every split stores its fp32
-accumulators to its own slot of the workspace and counts itself in the
+accumulators to its own slot of the workspace (those of warps whose rows
+are all past M excepted) and counts itself in the
 tile's ``counters`` entry; the split that counts last sums the S slots in
 split order (so the bits do not depend on which split finished last),
 resets the counter to zero for the next launch, and runs the epilogue; the
@@ -95,6 +96,7 @@ CONSUMER_REGISTERS = 232
 TILE_K = 64
 EPILOGUE_N = 32  # columns per epilogue subtile
 EPILOGUE_BUFFERS = 4
+WARP_ROWS = 16  # accumulator rows per warp: warp i of a warpgroup holds its rows 16 i to 16 i + 15
 BARRIER_BYTES = 1024  # mbarriers, with the padding to the operands' 1024-byte alignment
 EPILOGUE_BARRIER_ID = 1
 ZERO_BARRIER_ID = 2
@@ -673,8 +675,13 @@ class HopperGemm:
             slot = split.workspace[tile.split, None]
             base = tile.slot * (self.tile_mnk[0] * self.tile_mnk[1]) + tidx
             barrier = pipeline.NamedBarrier(barrier_id=EPILOGUE_BARRIER_ID, num_threads=threads)
-            for v in cutlass.range_constexpr(cute.size(acc)):
-                slot[base + v * threads] = acc[v]
+            # Only warps holding rows of the problem store and sum: the
+            # others' rows are past M, which the epilogue does not store (a
+            # decode call's 64-row tile has one warp of real rows in four).
+            real_rows = (tidx // 32) * WARP_ROWS < tile.rows_left
+            if real_rows:
+                for v in cutlass.range_constexpr(cute.size(acc)):
+                    slot[base + v * threads] = acc[v]
             cute.arch.fence_acq_rel_gpu()  # this thread's partial sums, before the count below
             barrier.arrive_and_wait()
             if tidx == 0:
@@ -686,7 +693,7 @@ class HopperGemm:
                 flag[0] = Int32(is_last)
             barrier.arrive_and_wait()
             last = flag[0] != 0
-            if last:
+            if last and real_rows:
                 cute.arch.fence_acq_rel_gpu()  # the other splits' partial sums, after their counts
                 # (cg: from L2, where the other SMs' stores went, never a stale L1 line.)
                 first = split.workspace[0, None].iterator + base
