@@ -9,11 +9,12 @@ import pytest
 import torch
 
 import quack
+from quack.calls import torch_interop as ti
 from quack.families.gemm import op as gemm_op
 from quack.families.gemm import split
-from quack.families.gemm.config import MID_M_ROWS, SMALL_M_ROWS, gemm_config, resident_clusters
+from quack.families.gemm.config import L2_SMALL_M_ROWS, MID_M_ROWS, SMALL_M_ROWS, gemm_config, resident_clusters
 from quack.families.gemm.split import dense_class
-from quack.families.gemm.product import launch_gemm
+from quack.families.gemm.product import launch_gemm, run_role
 from quack.families.gemm.signature import GemmCall
 from quack.calls.plan import plan_for
 
@@ -44,6 +45,10 @@ def test_dense_classes():
     assert dense_class(129, 14336, 132) == dense_class(256, 8704, 132) == "dense"
     assert dense_class(256, 8704, 264) == "mid_m"
     assert dense_class(MID_M_ROWS + 1, 128, 132) == dense_class(8192, 4096, 132) == "dense"
+    # B in L2: the 64-row object while its tiles fit in one wave, up to L2_SMALL_M_ROWS.
+    assert dense_class(SMALL_M_ROWS + 1, 4096, 132, True) == dense_class(256, 4096, 132, True) == "small_m"
+    assert dense_class(320, 4096, 132, True) == dense_class(L2_SMALL_M_ROWS + 1, 1024, 132, True) == "mid_m"
+    assert dense_class(256, 4096, 132) == "mid_m"
     small, mid = gemm_config(4096, m_class="small_m"), gemm_config(4096, m_class="mid_m")
     assert small.split_k and (small.tile_m, small.tile_n) == (64, 128) and small.cluster_m == small.cluster_n == 1
     assert mid.split_k and (mid.tile_m, mid.tile_n) == (128, 128) and mid.cluster_m == mid.cluster_n == 1
@@ -51,6 +56,15 @@ def test_dense_classes():
     roles = [role for role, _ in GemmCall("bfloat16", "bfloat16", False, True, "dense", 256, False, 0, None,
                                           None).kernels()]
     assert roles == ["dense", "small_m", "mid_m"]
+
+
+@pytest.mark.parametrize("k,role", [(4096, "small_m"), (14336, "mid_m")])
+def test_the_call_tells_the_rule_whether_its_weight_fits_in_l2(k, role):
+    """128 rows by a 4096-column weight: 32 MB of bf16 fit an H100's or
+    H200's L2 at K = 4096, 117 MB at K = 14336 do not."""
+    a, b = torch.randn(128, k, dtype=torch.bfloat16), torch.randn(k, 4096, dtype=torch.bfloat16)
+    ops, _ = gemm_op.call_operands(a, b, a.dtype, None, None, None, None, False)
+    assert run_role(plan_for(gemm_op.signature_of(ops)), ops) == role
 
 
 def test_split_buffers_per_stream_kept_when_outgrown(monkeypatch):
@@ -171,6 +185,7 @@ def test_decode_call_is_deterministic_and_leaves_counters_zero(m):
 @pytest.mark.gpu
 @pytest.mark.parametrize("m,n,role", [
     (100, 40960, "mid_m"),  # one tile row over several waves, unsplit
+    (200, 4096, "small_m"),  # B in L2, 64-row tiles in one wave
     (300, 1024, "mid_m"),  # few tiles: split
     (300, 17408, "dense"),  # too many 128 x 128 tiles for one wave
     (513, 1024, "dense"),  # past the split classes
@@ -181,7 +196,7 @@ def test_each_class_of_a_few_hundred_rows(m, n, role):
     a, b = _operands(m, 1032, n)
     bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
     slots = resident_clusters(gemm_config(n, m_class="mid_m"), a.device)
-    assert dense_class(m, n, slots) == role
+    assert dense_class(m, n, slots, b.numel() * b.element_size() <= ti.l2_bytes(0)) == role
     out = quack.gemm(a, b, bias=bias)
     torch.testing.assert_close(out.float(), a.float() @ b.float() + bias.float(), atol=5e-2, rtol=2e-2)
 

@@ -21,6 +21,7 @@ _DTYPE_NAMES = {d: str(d).removeprefix("torch.") for d in (*FLOAT_DTYPES, torch.
 _FakeTensor = torch._subclasses.fake_tensor.FakeTensor
 _PLAIN = (torch.Tensor, torch.nn.Parameter)  # never fake: the usual inputs skip the slower isinstance
 _SM_COUNTS: dict[int, int] = {}
+_L2_BYTES: dict[int, int] = {}
 # Rows are indexed with 32-bit integers in every kernel (grid, statistics,
 # targets), with headroom for the persistent backward's prefetch of the row
 # tile after its last, whose (unused) row index must not wrap: at most a
@@ -107,6 +108,22 @@ def sm_count(device_index: int) -> int:
             count = torch.cuda.get_device_properties(device_index).multi_processor_count
         _SM_COUNTS[device_index] = count
     return count
+
+
+def l2_bytes(device_index: int) -> int:
+    """Bytes of the GPU's L2 cache (an H100's 50 MB when none is visible;
+    compile-only's target otherwise, as ``sm_count``)."""
+    if is_compile_only():
+        from quack.compile_only.gpu import L2_BYTES
+
+        return L2_BYTES
+    size = _L2_BYTES.get(device_index)
+    if size is None:
+        size = 50 * 2**20
+        if torch.cuda.is_available():
+            size = torch.cuda.get_device_properties(device_index).L2_cache_size
+        _L2_BYTES[device_index] = size
+    return size
 
 
 def current_stream(device: torch.device) -> int:

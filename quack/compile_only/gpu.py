@@ -51,6 +51,7 @@ from quack.cache.config import DEFAULT_ARCH, arch_capability
 CUDA_BUILD = torch.version.cuda is not None
 # What compile-only answers for the GPU's streaming multiprocessors (an H100's, an H200's).
 SM_COUNT = 132
+L2_BYTES = 50 * 2**20  # and for its L2 cache (an H100's)
 DEVICE_MEMORY = 141 * 2**30
 
 _LOCK = threading.Lock()
@@ -77,7 +78,7 @@ def _properties(device=None):
     return SimpleNamespace(
         name=_name(), major=major, minor=minor, multi_processor_count=SM_COUNT, total_memory=DEVICE_MEMORY,
         is_integrated=False, is_multi_gpu_board=False, warp_size=32, max_threads_per_multi_processor=2048,
-        L2_cache_size=50 * 2**20, gcnArchName="", uuid="", regs_per_multiprocessor=65536,
+        L2_cache_size=L2_BYTES, gcnArchName="", uuid="", regs_per_multiprocessor=65536,
     )
 
 

@@ -11,7 +11,8 @@ that half of each tile is not wasted.  A dense GEMM of a few rows (at most
 ``SMALL_M_ROWS``) uses 64 x 128 tiles without clusters, K split over several
 CTAs so that every SM streams a share of B (``split.py``); up to
 ``MID_M_ROWS`` rows, 128 x 128 tiles split the same way, where
-``split.dense_class`` says they beat the default.  Measured in
+``split.dense_class`` says they beat the default (and the 64-row tiles
+again up to ``L2_SMALL_M_ROWS`` rows where B fits in the L2 cache).  Measured in
 tools/bench/gemm_configs.py; no autotuning happens at call time.
 """
 
@@ -31,6 +32,7 @@ LARGE_GROUP_ROWS = 2048  # varlen: from this many rows per group on, clusters pa
 GROUPINGS = ("dense", "varlen_m", "varlen_k")
 SMALL_M_ROWS = 64  # dense: up to this many rows, the 64-row split-K object runs
 MID_M_ROWS = 512  # dense: up to this many rows, the 128-row split-K object may run
+L2_SMALL_M_ROWS = 256  # dense: up to this many rows, the 64-row one where B fits in L2
 
 # A varlen-M plan holds one object per class of rows per group: which one
 # runs depends on a runtime size (and on a sentinel under compile-only).

@@ -87,7 +87,10 @@ def run_role(plan: Plan, ops: Operands) -> str:
         return group_class(ops.a.shape[0] / max(1, ops.b3.shape[0]))
     if grouping == "dense":
         n = columns(ops.b3, ops.b_n_major)
-        return dense_class(ops.a.shape[0], n, resident_clusters(gemm_config(n, m_class="mid_m"), ops.a.device))
+        device = ops.a.device
+        weight_in_l2 = ops.b3.numel() * ops.b3.element_size() <= ti.l2_bytes(device.index or 0)
+        slots = resident_clusters(gemm_config(n, m_class="mid_m"), device)
+        return dense_class(ops.a.shape[0], n, slots, weight_in_l2)
     return grouping
 
 

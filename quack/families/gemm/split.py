@@ -15,7 +15,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from quack.families.gemm.config import MID_M_ROWS, SMALL_M_ROWS, GemmConfig, gemm_config
+from quack.families.gemm.config import L2_SMALL_M_ROWS, MID_M_ROWS, SMALL_M_ROWS, GemmConfig, gemm_config
 
 TILE_K = 64  # the kernel's K step
 MAX_SPLITS = 16
@@ -39,15 +39,20 @@ def tile_count(cfg: GemmConfig, m: int, n: int) -> int:
     return -(-m // cluster_rows) * -(-n // cluster_cols) * cfg.cluster_m * cfg.cluster_n
 
 
-def dense_class(m: int, n: int, slots: int) -> str:
+def dense_class(m: int, n: int, slots: int, weight_in_l2: bool = False) -> str:
     """The role, among ``config.DENSE_CLASSES``, of the object a dense call
     of M rows and N columns runs, with ``slots`` resident CTAs of 128 x 128
     tiles: up to ``SMALL_M_ROWS`` rows the 64-row split object; up to
-    ``MID_M_ROWS`` the 128-row one where its tiles fit in one wave (else the
+    ``L2_SMALL_M_ROWS`` the 64-row one too where B fits in the L2 cache
+    (``weight_in_l2``) and its tiles fit in one wave (each tile row then
+    rereads B from L2, and its splits sum half the 128-row tiles' bytes);
+    up to ``MID_M_ROWS`` the 128-row one where its tiles fit in one wave (else the
     default's larger tiles cost fewer reads of A and B), or where one tile
     row holds all of M (the default's clusters pair two tile rows: half its
     CTAs would get no rows); else the default."""
     if m <= SMALL_M_ROWS:
+        return "small_m"
+    if weight_in_l2 and m <= L2_SMALL_M_ROWS and tile_count(gemm_config(n, m_class="small_m"), m, n) <= slots:
         return "small_m"
     mid = gemm_config(n, m_class="mid_m")
     if m <= MID_M_ROWS and (m <= mid.tile_m or tile_count(mid, m, n) <= slots):
