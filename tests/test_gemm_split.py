@@ -152,6 +152,7 @@ def _operands(m, k, n, dtype=torch.bfloat16):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("m_class,m", [("small_m", 1), ("small_m", 2), ("small_m", 37), ("small_m", 64),
+                                       ("small_m", 130), ("small_m", 256),  # B in L2: several tile rows
                                        ("mid_m", 1), ("mid_m", 65), ("mid_m", 130), ("mid_m", 256)])
 @pytest.mark.parametrize("k,n", [(8, 136), (72, 264), (64 * 41 + 8, 520), (4104, 4096)])
 def test_every_split_count_sums_right(m_class, m, k, n):
