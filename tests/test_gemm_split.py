@@ -104,7 +104,8 @@ def test_fast_path_keeps_each_streams_buffers(monkeypatch):
     current = [1]
     monkeypatch.setattr(split, "_BUFFERS", {})
     monkeypatch.setattr(split.torch.cuda, "current_stream", lambda device: streams[current[0]])
-    monkeypatch.setattr(split.torch._C, "_cuda_getCurrentRawStream", lambda index: current[0])
+    monkeypatch.setattr(split, "_raw_stream", lambda index: current[0])
+    monkeypatch.setattr(split.ti, "capturing", lambda device: False)
     cfg, cpu = gemm_config(4096, m_class="small_m"), torch.device("cpu")
     buffers = split.stream_buffers(cfg, split.SplitPlan(tiles=4, splits=3), cpu)
     first = buffers()
@@ -117,6 +118,34 @@ def test_fast_path_keeps_each_streams_buffers(monkeypatch):
     current[0] = 2
     other = buffers()
     assert other[0].data_ptr() != first[0].data_ptr() and other[1].data_ptr() != first[1].data_ptr()
+
+
+def test_a_graph_capture_never_shares_buffers_it_allocates(monkeypatch):
+    """While a CUDA graph is captured, a launch the stream's buffers do not
+    hold gets its own (their zeroing is the graph's, run only at replay), and
+    the fast path keeps none of them; the stream's own still serve what they hold."""
+    class Stream:
+        cuda_stream = 1
+
+    capturing = [True]
+    monkeypatch.setattr(split, "_BUFFERS", {})
+    monkeypatch.setattr(split.torch.cuda, "current_stream", lambda device: Stream())
+    monkeypatch.setattr(split, "_raw_stream", lambda index: 1)
+    monkeypatch.setattr(split.ti, "capturing", lambda device: capturing[0])
+    cfg, cpu = gemm_config(4096, m_class="small_m"), torch.device("cpu")
+    plan = split.SplitPlan(tiles=4, splits=3)
+    own, _ = split.split_buffers(cfg, plan, cpu)
+    (kept,) = split._BUFFERS.values()
+    assert kept.workspace is None and kept.counters is None  # nothing shared was allocated
+    buffers = split.stream_buffers(cfg, plan, cpu)
+    first, second = buffers(), buffers()  # fresh each call
+    assert len({first[0].data_ptr(), second[0].data_ptr(), own.data_ptr()}) == 3
+    capturing[0] = False
+    eager, _ = buffers()
+    assert buffers()[0] is eager and kept.workspace.data_ptr() == eager.data_ptr()
+    capturing[0] = True
+    inside, _ = split.split_buffers(cfg, split.SplitPlan(tiles=2, splits=3), cpu)
+    assert inside.data_ptr() == eager.data_ptr()  # held already: the stream's own
 
 
 @pytest.mark.parametrize("rows", [2, 100])  # the 64-row and the 128-row split classes
@@ -155,32 +184,37 @@ def _operands(m, k, n, dtype=torch.bfloat16):
                                        ("small_m", 130), ("small_m", 256),  # B in L2: several tile rows
                                        ("mid_m", 1), ("mid_m", 65), ("mid_m", 130), ("mid_m", 256)])
 @pytest.mark.parametrize("k,n", [(8, 136), (72, 264), (64 * 41 + 8, 520), (4104, 4096)])
-def test_every_split_count_sums_right(m_class, m, k, n):
+@pytest.mark.parametrize("a_m_major", [False, True])  # (M-contiguous: a partial last tile stays in place)
+def test_every_split_count_sums_right(m_class, m, k, n, a_m_major):
     """Splits of unequal lengths, and more splits than K steps (the extra
     ones sum zeros), against fp32 torch; each count twice with the same bits."""
     a, b = _operands(m, k, n)
     ref = a.float() @ b.float()
+    if a_m_major:
+        a = a.t().contiguous().t()
     cfg = gemm_config(n, m_class=m_class)
     for splits in (1, 2, 3, 5, 16):
         out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
-        launch_gemm(a, b.unsqueeze(0), out, None, True, cfg, splits=splits)
+        launch_gemm(a, b.unsqueeze(0), out, None, True, cfg, a_m_major, splits=splits)
         first = out.clone()
-        launch_gemm(a, b.unsqueeze(0), out, None, True, cfg, splits=splits)
+        launch_gemm(a, b.unsqueeze(0), out, None, True, cfg, a_m_major, splits=splits)
         torch.testing.assert_close(out.float(), ref, atol=5e-2, rtol=2e-2)
         assert torch.equal(out, first), f"{splits} splits: bits differ between runs"
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m", [1, 16, 64, 100, 256])  # both split classes
-def test_decode_call_is_deterministic_and_leaves_counters_zero(m):
-    a, b = _operands(m, 4096, 4096)
+@pytest.mark.parametrize("m,k", [(1, 4096), (16, 4096), (64, 4096), (100, 4096), (256, 4096),
+                                 (100, 14336), (256, 14336)])  # both split classes (B in L2 or not)
+def test_decode_call_is_deterministic_and_leaves_counters_zero(m, k):
+    a, b = _operands(m, k, 4096)
     first = quack.gemm(a, b)
     for _ in range(20):  # the fast path's calls too
         assert torch.equal(quack.gemm(a, b), first)
     torch.cuda.synchronize()
     torch.testing.assert_close(first.float(), a.float() @ b.float(), atol=5e-2, rtol=2e-2)
     for buffers in split._BUFFERS.values():
-        assert int(buffers.counters.count_nonzero()) == 0
+        for counters in [buffers.counters, *(t for t in buffers.outgrown if t.dtype == torch.int32)]:
+            assert int(counters.count_nonzero()) == 0
 
 
 @pytest.mark.gpu
@@ -197,9 +231,27 @@ def test_each_class_of_a_few_hundred_rows(m, n, role):
     a, b = _operands(m, 1032, n)
     bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
     slots = resident_clusters(gemm_config(n, m_class="mid_m"), a.device)
-    assert dense_class(m, n, slots, b.numel() * b.element_size() <= ti.l2_bytes(0)) == role
+    assert dense_class(m, n, slots, 4 * b.numel() * b.element_size() <= 3 * ti.l2_bytes(a.device.index or 0)) == role
     out = quack.gemm(a, b, bias=bias)
     torch.testing.assert_close(out.float(), a.float() @ b.float() + bias.float(), atol=5e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.no_compile_only  # graphs of fake tensors; the tests above warm the same objects
+def test_graphs_replay_in_any_order():
+    """Two graphs captured one after the other, each with a split call; the
+    second (smaller: the capture stream's buffers would hold it) replayed
+    before the first ever has, then both: right sums each time."""
+    big, small = _operands(64, 8192, 8192), _operands(16, 4096, 4096)
+    refs = [quack.gemm(*big), quack.gemm(*small)]  # (eager: loads the objects before capturing)
+    graphs, outs = [torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()], []
+    for graph, operands in zip(graphs, (big, small)):
+        with torch.cuda.graph(graph):
+            outs.append(quack.gemm(*operands))
+    for i in (1, 0, 1, 0):
+        graphs[i].replay()
+        torch.cuda.synchronize()
+        assert torch.equal(outs[i], refs[i]), f"graph {i}"
 
 
 @pytest.mark.gpu

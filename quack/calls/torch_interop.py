@@ -126,6 +126,17 @@ def l2_bytes(device_index: int) -> int:
     return size
 
 
+def capturing(device: torch.device) -> bool:
+    """Whether a CUDA graph is being captured on ``device``'s current stream
+    (never on a CPU device)."""
+    if device.type != "cuda":
+        return False
+    if device.index is None or device.index == torch.cuda.current_device():
+        return torch.cuda.is_current_stream_capturing()
+    with torch.cuda.device(device.index):
+        return torch.cuda.is_current_stream_capturing()
+
+
 def current_stream(device: torch.device) -> int:
     """The raw handle of torch's current CUDA stream on ``device`` (0 under
     compile-only, where nothing launches)."""

@@ -320,7 +320,7 @@ def reduction_scratch(device: torch.device, m: int, shared: bool = True) -> tupl
     with a reducing forward still queued must not be followed, before that
     forward ends, by a new stream with the same handle on the same device
     (torch's pooled streams never are)."""
-    if not shared or is_compile_only() or _capturing(device):
+    if not shared or is_compile_only() or ti.capturing(device):
         return torch.zeros(1, device=device, dtype=torch.int32), torch.empty(m, device=device, dtype=torch.float32)
     index = device.index if device.index is not None else torch.cuda.current_device()
     key = (index, torch._C._cuda_getCurrentRawStream(index))
@@ -329,14 +329,6 @@ def reduction_scratch(device: torch.device, m: int, shared: bool = True) -> tupl
         counter = scratch[0] if scratch is not None else torch.zeros(1, device=device, dtype=torch.int32)
         scratch = _SCRATCH[key] = (counter, torch.empty(m, device=device, dtype=torch.float32))
     return scratch
-
-
-def _capturing(device: torch.device) -> bool:
-    """Whether a CUDA graph is being captured on ``device``'s current stream."""
-    if device.index is None or device.index == torch.cuda.current_device():
-        return torch.cuda.is_current_stream_capturing()
-    with torch.cuda.device(device.index):
-        return torch.cuda.is_current_stream_capturing()
 
 
 def cross_entropy_bwd(logits, target, lse, dloss_rows, ignore_index: int = -100, *, plan: Optional[Plan] = None):

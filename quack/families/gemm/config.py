@@ -12,7 +12,7 @@ that half of each tile is not wasted.  A dense GEMM of a few rows (at most
 CTAs so that every SM streams a share of B (``split.py``); up to
 ``MID_M_ROWS`` rows, 128 x 128 tiles split the same way, where
 ``split.dense_class`` says they beat the default (and the 64-row tiles
-again up to ``L2_SMALL_M_ROWS`` rows where B fits in the L2 cache).  Measured in
+again up to ``L2_SMALL_M_ROWS`` rows where B fills at most 3/4 of the L2 cache).  Measured in
 tools/bench/gemm_configs.py; no autotuning happens at call time.
 """
 

@@ -88,7 +88,8 @@ def run_role(plan: Plan, ops: Operands) -> str:
     if grouping == "dense":
         n = columns(ops.b3, ops.b_n_major)
         device = ops.a.device
-        weight_in_l2 = ops.b3.numel() * ops.b3.element_size() <= ti.l2_bytes(device.index or 0)
+        # (A quarter of the L2 left for A, the split's workspace and the output.)
+        weight_in_l2 = 4 * ops.b3.numel() * ops.b3.element_size() <= 3 * ti.l2_bytes(device.index or 0)
         slots = resident_clusters(gemm_config(n, m_class="mid_m"), device)
         return dense_class(ops.a.shape[0], n, slots, weight_in_l2)
     return grouping

@@ -15,6 +15,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
+from quack.calls import torch_interop as ti
 from quack.families.gemm.config import L2_SMALL_M_ROWS, MID_M_ROWS, SMALL_M_ROWS, GemmConfig, gemm_config
 
 TILE_K = 64  # the kernel's K step
@@ -44,7 +45,7 @@ def dense_class(m: int, n: int, slots: int, weight_in_l2: bool = False) -> str:
     of M rows and N columns runs, with ``slots`` resident CTAs of 128 x 128
     tiles: up to ``SMALL_M_ROWS`` rows the 64-row split object; up to
     ``L2_SMALL_M_ROWS`` the 64-row one too where B fits in the L2 cache
-    (``weight_in_l2``) and its tiles fit in one wave (each tile row then
+    beside the rest (``weight_in_l2``: ``product.run_role`` decides) and its tiles fit in one wave (each tile row then
     rereads B from L2, and its splits sum half the 128-row tiles' bytes);
     up to ``MID_M_ROWS`` the 128-row one where its tiles fit in one wave (else the
     default's larger tiles cost fewer reads of A and B), or where one tile
@@ -71,6 +72,11 @@ class _Buffers:
         self.counters = None  # int32 zeros (each launch's finalizers leave them zero)
         self.outgrown = []
 
+    def holds(self, workspace: int, counters: int) -> bool:
+        """Whether the buffers have at least ``workspace`` floats and ``counters`` counters."""
+        return (self.workspace is not None and self.workspace.numel() >= workspace
+                and self.counters is not None and self.counters.numel() >= counters)
+
     def grow(self, workspace: int, counters: int, device: torch.device) -> None:
         """At least ``workspace`` floats and ``counters`` counters (doubling, so
         the outgrown ones add up to less than the current ones)."""
@@ -87,6 +93,11 @@ class _Buffers:
 
 
 _BUFFERS: dict[tuple[int, int], _Buffers] = {}
+
+
+def _raw_stream(device_index: int) -> int:
+    """The raw handle of torch's current stream on the device (the fast path's per-call lookup)."""
+    return torch._C._cuda_getCurrentRawStream(device_index)
 _LOCK = threading.Lock()
 
 
@@ -107,30 +118,43 @@ def split_plan(cfg: GemmConfig, m: int, n: int, k: int, max_clusters: int) -> Sp
 def split_buffers(cfg: GemmConfig, split: SplitPlan, device: torch.device):
     """(workspace (S, W), counters (tiles,)) for a launch split as ``split``
     on the current stream of ``device``.  An unsplit launch (S = 1) touches
-    neither: it gets one 16-byte row and one counter."""
+    neither: it gets one 16-byte row and one counter.
+
+    While a CUDA graph is captured on that stream, a launch the stream's
+    buffers do not already hold gets buffers of its own, not kept: counters
+    allocated in a capture are zeroed by a memset of the graph, which runs
+    only when that graph replays, and another graph or an eager call
+    sharing them could count on garbage before it does."""
     splits = split.splits
     width, tiles = (split.tiles * cfg.tile_m * cfg.tile_n, split.tiles) if splits > 1 else (4, 1)
     stream = torch.cuda.current_stream(device)
     with _LOCK:
         buffers = _BUFFERS.setdefault((device.index or 0, stream.cuda_stream), _Buffers())
-        buffers.grow(splits * width, tiles, device)
-        return buffers.workspace[: splits * width].view(splits, width), buffers.counters[:tiles]
+        if ti.capturing(device) and not buffers.holds(splits * width, tiles):
+            workspace = torch.empty(splits * width, device=device, dtype=torch.float32)
+            counters = torch.zeros(tiles, device=device, dtype=torch.int32)
+        else:
+            buffers.grow(splits * width, tiles, device)
+            workspace, counters = buffers.workspace, buffers.counters
+        return workspace[: splits * width].view(splits, width), counters[:tiles]
 
 
 def stream_buffers(cfg: GemmConfig, split: SplitPlan, device: torch.device) -> Callable[[], tuple]:
     """``split_buffers`` for the fast path's calls split as ``split``, kept
     per stream: a repeated call then costs one dict lookup, not the views'
     construction.  A kept view stays valid when its stream's buffers grow
-    (outgrown buffers are kept, and its counters stay zero between launches)."""
+    (outgrown buffers are kept, and its counters stay zero between launches);
+    a capture's own buffers are never kept."""
     index = device.index or 0
     kept: dict[int, tuple] = {}
-    raw_stream = torch._C._cuda_getCurrentRawStream
 
     def buffers() -> tuple:
-        stream = raw_stream(index)
+        stream = _raw_stream(index)
         found = kept.get(stream)
         if found is None:
-            found = kept[stream] = split_buffers(cfg, split, device)
+            found = split_buffers(cfg, split, device)
+            if not ti.capturing(device):
+                kept[stream] = found
         return found
 
     return buffers
