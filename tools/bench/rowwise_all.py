@@ -2,7 +2,8 @@
 
     python tools/bench/rowwise_all.py [--dtype bfloat16 float16] [--only bandwidth|decode]
 
-One bandwidth table per activation dtype, quack's kernels only: the quick
+One bandwidth table per activation dtype, quack's kernels only (and the same
+cells in us): the quick
 check after a change to the shared row-wise code (quack/rowwise/device.py,
 quack/rowwise/norm_backward.py), where the family scripts (softmax.py, ...) also time
 torch eager and torch.compile.  Bytes as the family scripts count them; the
@@ -94,15 +95,23 @@ def kernels(m: int, n: int, dtype: torch.dtype) -> dict:
 
 def bandwidth_table(dtype: torch.dtype, copy_tbs: float) -> None:
     shares: dict[str, list[float]] = {}
+    times: dict[str, list[float]] = {}
     for m, n in STANDARD_SHAPES:
         for name, (fn, nbytes) in kernels(m, n, dtype).items():
-            tbs = nbytes / (bench_ms(fn) * 1e-3) / 1e12
-            shares.setdefault(name, []).append(100 * tbs / copy_tbs)
+            ms = bench_ms(fn)
+            times.setdefault(name, []).append(1e3 * ms)
+            shares.setdefault(name, []).append(100 * nbytes / (ms * 1e-3) / 1e12 / copy_tbs)
         torch.cuda.empty_cache()
+    header = f"{'kernel':<20}" + "".join(f"{f'{m}x{n}':>14}" for m, n in STANDARD_SHAPES)
     print(f"\n% of copy bandwidth ({copy_tbs:.2f} TB/s), {dtype}")
-    print(f"{'kernel':<20}" + "".join(f"{f'{m}x{n}':>14}" for m, n in STANDARD_SHAPES))
+    print(header)
     for name, values in shares.items():
         print(f"{name:<20}" + "".join(f"{v:>13.0f}%" for v in values))
+    # The times compare two trees' kernels whatever bytes each tree's script counted.
+    print(f"\nkernel us (do_bench median), {dtype}")
+    print(header)
+    for name, values in times.items():
+        print(f"{name:<20}" + "".join(f"{v:>14.1f}" for v in values))
 
 
 def decode_calls(m: int, n: int, dtype: torch.dtype) -> dict:

@@ -130,7 +130,7 @@ def split_buffers(cfg: GemmConfig, split: SplitPlan, device: torch.device):
     stream = torch.cuda.current_stream(device)
     with _LOCK:
         buffers = _BUFFERS.setdefault((device.index or 0, stream.cuda_stream), _Buffers())
-        if ti.capturing(device) and not buffers.holds(splits * width, tiles):
+        if not buffers.holds(splits * width, tiles) and ti.capturing(device):
             workspace = torch.empty(splits * width, device=device, dtype=torch.float32)
             counters = torch.zeros(tiles, device=device, dtype=torch.int32)
         else:
