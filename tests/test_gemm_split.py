@@ -203,6 +203,24 @@ def test_every_split_count_sums_right(m_class, m, k, n, a_m_major):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("m_class", ["small_m", "mid_m"])
+@pytest.mark.parametrize("splits", [2, 3, 5, 16])
+def test_a_rows_sum_has_the_same_bits_however_many_rows_share_its_tile(m_class, splits):
+    """The last split sums a tile's slots spread over every warp where few
+    warps hold rows (a decode step), each warp alone otherwise: both add the
+    slots in split order, so a row's bits do not depend on the rows beside it."""
+    a, b = _operands(128, 4104, 520)
+    cfg = gemm_config(520, m_class=m_class)
+    rows = {}
+    for m in (1, 16, 17, 64, 128):  # one warp of real rows, two, a whole 64-row tile, two tiles
+        rows[m] = torch.empty(m, 520, device="cuda", dtype=torch.bfloat16)
+        launch_gemm(a[:m], b.unsqueeze(0), rows[m], None, True, cfg, False, splits=splits)
+    for m, out in rows.items():
+        assert torch.equal(out[0], rows[1][0]), f"{m} rows, {splits} splits: row 0's bits differ"
+        assert m < 16 or torch.equal(out[:16], rows[16]), f"{m} rows, {splits} splits: rows 0 to 15 differ"
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("m,k", [(1, 4096), (16, 4096), (64, 4096), (100, 4096), (256, 4096),
                                  (100, 14336), (256, 14336)])  # both split classes (B in L2 or not)
 def test_decode_call_is_deterministic_and_leaves_counters_zero(m, k):

@@ -64,7 +64,12 @@ are all past M excepted) and counts itself in the
 tile's ``counters`` entry; the split that counts last sums the S slots in
 split order (so the bits do not depend on which split finished last),
 resets the counter to zero for the next launch, and runs the epilogue; the
-others store nothing else.  No split waits for another.  For a problem whose
+others store nothing else.  No split waits for another.  The last split's
+sum is a chain of dependent reads from L2, one slot after another; where
+few warps hold rows of the problem (a decode step: one in four), every
+consumer warp sums a share of their values over several slots at once and
+hands the sums over through the epilogue's shared buffers, so the chain
+is a few round trips long, not S.  For a problem whose
 tiles alone leave most SMs idle (up to a few hundred rows of tokens times a
 weight).
 
@@ -97,6 +102,7 @@ TILE_K = 64
 EPILOGUE_N = 32  # columns per epilogue subtile
 EPILOGUE_BUFFERS = 4
 WARP_ROWS = 16  # accumulator rows per warp: warp i of a warpgroup holds its rows 16 i to 16 i + 15
+SPREAD_LOADS = 64  # split K's spread sum: slot values each thread has in flight
 BARRIER_BYTES = 1024  # mbarriers, with the padding to the operands' 1024-byte alignment
 EPILOGUE_BARRIER_ID = 1
 ZERO_BARRIER_ID = 2
@@ -653,7 +659,7 @@ class HopperGemm:
                 release_state.advance()
 
             if const_expr(self.split_k):
-                if self._split_sum(acc, split, tile, work.splits, split_flag, tidx):
+                if self._split_sum(acc, split, tile, work.splits, split_flag, sync):
                     stores = self._epilogue(regs, gated, operands, smem.bias, tile, sync, stores)
             else:
                 stores = self._epilogue(regs, gated, operands, smem.bias, tile, sync, stores)
@@ -662,27 +668,32 @@ class HopperGemm:
         store_pipe.producer_tail()
 
     @cute.jit
-    def _split_sum(self, acc, split: SplitK, tile: Tile, splits, flag, tidx):
+    def _split_sum(self, acc, split: SplitK, tile: Tile, splits, flag, sync: EpilogueSync):
         """Split K's hand-off (see the module docstring): store this split's
         accumulators to its workspace slot and count it; True for the split
         that counted last, whose ``acc`` then holds the sum of all S slots,
         added in split order.  One split alone keeps its accumulators."""
         last = Boolean(True)
+        tidx, store_warp, barrier, sd = sync.tidx, sync.store_warp, sync.barrier, sync.sd
         if splits > 1:
             # Thread t's value v at v * threads + t: each store and load of a
             # warp covers consecutive words.
             threads = self.consumer_threads
-            slot = split.workspace[tile.split, None]
-            base = tile.slot * (self.tile_mnk[0] * self.tile_mnk[1]) + tidx
-            barrier = pipeline.NamedBarrier(barrier_id=EPILOGUE_BARRIER_ID, num_threads=threads)
+            base = tile.slot * (self.tile_mnk[0] * self.tile_mnk[1])
             # Only warps holding rows of the problem store and sum: the
             # others' rows are past M, which the epilogue does not store (a
             # decode call's 64-row tile has one warp of real rows in four).
-            real_rows = (tidx // 32) * WARP_ROWS < tile.rows_left
+            real_warps = cutlass.min((tile.rows_left + (WARP_ROWS - 1)) // WARP_ROWS, threads // 32)
+            real_rows = tidx // 32 < real_warps
             if real_rows:
+                slot = split.workspace[tile.split, None]
                 for v in cutlass.range_constexpr(cute.size(acc)):
-                    slot[base + v * threads] = acc[v]
+                    slot[base + tidx + v * threads] = acc[v]
             cute.arch.fence_acq_rel_gpu()  # this thread's partial sums, before the count below
+            if store_warp:
+                # (The spread sum's scratch is the epilogue's shared buffers:
+                # the last tile's TMA stores must have read them.)
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
             barrier.arrive_and_wait()
             if tidx == 0:
                 counter = split.counters.iterator + tile.slot
@@ -693,17 +704,82 @@ class HopperGemm:
                 flag[0] = Int32(is_last)
             barrier.arrive_and_wait()
             last = flag[0] != 0
-            if last and real_rows:
+            if last:
                 cute.arch.fence_acq_rel_gpu()  # the other splits' partial sums, after their counts
-                # (cg: from L2, where the other SMs' stores went, never a stale L1 line.)
-                first = split.workspace[0, None].iterator + base
-                for v in cutlass.range_constexpr(cute.size(acc)):
-                    acc[v] = cute.arch.load(first + v * threads, cutlass.Float32, cop="cg")
-                for s in cutlass.range(1, splits, unroll=1):
-                    ptr = split.workspace[s, None].iterator + base
-                    for v in cutlass.range_constexpr(cute.size(acc)):
-                        acc[v] = acc[v] + cute.arch.load(ptr + v * threads, cutlass.Float32, cop="cg")
+                batch = self._spread_batch(acc)
+                # Spread where its chain (per owner warp: the slot batches and
+                # the hand-off) is shorter than the owners' own.
+                if real_warps * ((splits + (batch - 1)) // batch + 1) <= splits:
+                    self._spread_sum(acc, split.workspace, base, splits, real_warps, batch, sd, tidx, barrier)
+                elif real_rows:
+                    self._chain_sum(acc, split.workspace, base + tidx, splits)
         return last
+
+    @cute.jit
+    def _chain_sum(self, acc, workspace, offset, splits):
+        """``acc`` = the sum of this thread's values (from ``offset`` on, one
+        every ``consumer_threads`` words) over the S slots, in split order."""
+        threads = self.consumer_threads
+        # (cg: from L2, where the other SMs' stores went, never a stale L1 line.)
+        first = workspace[0, None].iterator + offset
+        for v in cutlass.range_constexpr(cute.size(acc)):
+            acc[v] = cute.arch.load(first + v * threads, cutlass.Float32, cop="cg")
+        for s in cutlass.range(1, splits, unroll=1):
+            ptr = workspace[s, None].iterator + offset
+            for v in cutlass.range_constexpr(cute.size(acc)):
+                acc[v] = acc[v] + cute.arch.load(ptr + v * threads, cutlass.Float32, cop="cg")
+
+    def _spread_batch(self, acc) -> int:
+        """Slots each thread of the spread sum loads at once: ``SPREAD_LOADS``
+        values over its share of a warp's values."""
+        values, warps = cute.size(acc), self.consumer_threads // 32
+        scratch_bytes = self.tile_mnk[0] * EPILOGUE_N * EPILOGUE_BUFFERS * self.d_dtype.width // 8
+        if values % warps or values * 32 * 4 > scratch_bytes:
+            raise ValueError(f"split K: a {self.tile_mnk[:2]} tile's spread sum needs a warp's values "
+                             f"({values} a thread) shared evenly and room for them in the epilogue buffers")
+        return max(SPREAD_LOADS // (values // warps), 1)
+
+    @cute.jit
+    def _spread_sum(self, acc, workspace, base, splits, real_warps, batch: int, sd, tidx, barrier):
+        """The last split's sum where few warps hold rows of the problem: for
+        each such warp (the owner), every consumer warp sums its share of the
+        owner's values over ``batch`` slots at a time, in split order (the
+        same bits as the owner summing alone), into the shared buffers, from
+        which the owner reads its ``acc``."""
+        threads = self.consumer_threads
+        values = cute.size(acc)
+        share = values // (threads // 32)
+        lane, warp = tidx % 32, tidx // 32
+        scratch = cute.make_tensor(cute.recast_ptr(sd.iterator, dtype=cutlass.Float32),
+                                   cute.make_layout(values * 32))  # (values, lanes) of the owner
+        loaded = cute.make_rmem_tensor(batch * share, cutlass.Float32)
+        sums = cute.make_rmem_tensor(share, cutlass.Float32)
+        for owner in cutlass.range(real_warps, unroll=1):
+            # Value v of thread (owner, lane) sits at v * threads + 32 owner + lane of a slot.
+            offset = base + (warp * share) * threads + owner * 32 + lane
+            for first in cutlass.range(0, splits, batch, unroll=1):
+                for u in cutlass.range_constexpr(batch):
+                    if first + u < splits:
+                        ptr = workspace[first + u, None].iterator + offset
+                        for j in cutlass.range_constexpr(share):
+                            loaded[u * share + j] = cute.arch.load(ptr + j * threads, cutlass.Float32, cop="cg")
+                for u in cutlass.range_constexpr(batch):
+                    if first + u < splits:
+                        for j in cutlass.range_constexpr(share):
+                            if const_expr(u == 0):
+                                if first == 0:
+                                    sums[j] = loaded[j]
+                                else:
+                                    sums[j] = sums[j] + loaded[j]
+                            else:
+                                sums[j] = sums[j] + loaded[u * share + j]
+            for j in cutlass.range_constexpr(share):
+                scratch[(warp * share + j) * 32 + lane] = sums[j]
+            barrier.arrive_and_wait()
+            if warp == owner:
+                for v in cutlass.range_constexpr(values):
+                    acc[v] = scratch[v * 32 + lane]
+            barrier.arrive_and_wait()
 
     @cute.jit
     def _epilogue_registers(self, layouts: KernelLayouts, sd, thr_mma, acc, tidx):
