@@ -52,7 +52,7 @@ class Worker:
 
     def __init__(self, tree: str, cache: str | None, cpu: int | None) -> None:
         env = dict(os.environ)
-        env["PYTHONPATH"] = tree
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [tree, env.get("PYTHONPATH")]))
         if cache:
             env["QUACK_CACHE_PATH"] = cache
         self.process = subprocess.Popen(
