@@ -67,9 +67,9 @@ resets the counter to zero for the next launch, and runs the epilogue; the
 others store nothing else.  No split waits for another.  The last split's
 sum is a chain of dependent reads from L2, one slot after another; where
 few warps hold rows of the problem (a decode step: one in four), every
-consumer warp sums a share of their values over several slots at once and
-hands the sums over through the epilogue's shared buffers, so the chain
-is a few round trips long, not S.  For a problem whose
+consumer warp sums a share of the owner warps' values over several slots
+at once and hands the sums over through the epilogue's shared buffers, so
+the chain is a few round trips long, not S.  For a problem whose
 tiles alone leave most SMs idle (up to a few hundred rows of tokens times a
 weight).
 
@@ -685,15 +685,24 @@ class HopperGemm:
             # decode call's 64-row tile has one warp of real rows in four).
             real_warps = cutlass.min((tile.rows_left + (WARP_ROWS - 1)) // WARP_ROWS, threads // 32)
             real_rows = tidx // 32 < real_warps
+            batch = self._spread_batch(acc)
+            # Spread where its chain (per owner warp: the slot batches and the
+            # hand-off) is no longer than the owners' own chain of S slots.
+            spread = Boolean(False)
+            if const_expr(batch > 0):
+                spread = real_warps * ((splits + (batch - 1)) // batch + 1) <= splits
             if real_rows:
                 slot = split.workspace[tile.split, None]
                 for v in cutlass.range_constexpr(cute.size(acc)):
                     slot[base + tidx + v * threads] = acc[v]
-            cute.arch.fence_acq_rel_gpu()  # this thread's partial sums, before the count below
-            if store_warp:
+            if store_warp & spread:
                 # (The spread sum's scratch is the epilogue's shared buffers:
                 # the last tile's TMA stores must have read them.)
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
+            # The barrier orders every thread's partial sums before thread 0's
+            # count, whose release is cumulative; its acquire, and the barrier
+            # after it, order the other splits' sums before this CTA's reads
+            # (the pattern of CUTLASS's split-K semaphore).
             barrier.arrive_and_wait()
             if tidx == 0:
                 counter = split.counters.iterator + tile.slot
@@ -705,11 +714,7 @@ class HopperGemm:
             barrier.arrive_and_wait()
             last = flag[0] != 0
             if last:
-                cute.arch.fence_acq_rel_gpu()  # the other splits' partial sums, after their counts
-                batch = self._spread_batch(acc)
-                # Spread where its chain (per owner warp: the slot batches and
-                # the hand-off) is shorter than the owners' own.
-                if real_warps * ((splits + (batch - 1)) // batch + 1) <= splits:
+                if spread:
                     self._spread_sum(acc, split.workspace, base, splits, real_warps, batch, sd, tidx, barrier)
                 elif real_rows:
                     self._chain_sum(acc, split.workspace, base + tidx, splits)
@@ -731,12 +736,13 @@ class HopperGemm:
 
     def _spread_batch(self, acc) -> int:
         """Slots each thread of the spread sum loads at once: ``SPREAD_LOADS``
-        values over its share of a warp's values."""
+        values over its share of a warp's values; 0 (no spread sum) where a
+        warp's values do not share evenly among the warps or do not fit the
+        epilogue buffers."""
         values, warps = cute.size(acc), self.consumer_threads // 32
         scratch_bytes = self.tile_mnk[0] * EPILOGUE_N * EPILOGUE_BUFFERS * self.d_dtype.width // 8
         if values % warps or values * 32 * 4 > scratch_bytes:
-            raise ValueError(f"split K: a {self.tile_mnk[:2]} tile's spread sum needs a warp's values "
-                             f"({values} a thread) shared evenly and room for them in the epilogue buffers")
+            return 0
         return max(SPREAD_LOADS // (values // warps), 1)
 
     @cute.jit
