@@ -442,15 +442,18 @@ def test_describe_refuses_what_it_cannot_key(described):
     assert described.describe(False, x, 2**70) is None
 
 
-def _direct(fastlaunch, entry_address, rows, get_context=0, context=0, device=-1):
+def _direct(fastlaunch, entry_address, rows, get_context=0, context=0, device=-1, per_stream=()):
     header_abi = [["tensor", "int32_t", 1, "int64_t", 1], ["tensor", "int32_t", 1, "int64_t", 1], ["scalar", "float"]]
     present = [True, True, True]
     placed, starts, words = layout(header_abi, present)
     buf = array.array("q", [0] * words)
     base = buf.buffer_info()[0]
     packed = (ctypes.c_void_p * len(starts))(*[base + 8 * s for s in starts])
-    fields = [(i, "S" if i in rows and w == "s" else "T" if i in rows and w == "t" else w, c, dim, off)
-              for i, w, c, dim, off in launcher.c_fields(placed)]
+    fields = []
+    for i, w, c, dim, off in launcher.c_fields(placed):
+        if i in per_stream and w == "d":
+            fields.append((i, "K", "", 0, 0))
+        fields.append((i, "S" if i in rows and w == "s" else "T" if i in rows and w == "t" else w, c, dim, off))
     c = fastlaunch.Launcher(entry_address, packed, buf, None, 3, fields, torch.Tensor.__dlpack_c_exchange_api__,
                             torch.Tensor, get_context, context, 0, 0, device)
     return c, buf
@@ -466,6 +469,24 @@ def test_direct_launcher_reads_contiguous_tensors_as_rows(fastlaunch):
     assert words[0] == x.data_ptr() and ctypes.c_int32(words[1]).value == 6 and words[2] == 8
     assert words[3] == v.data_ptr() and ctypes.c_int32(words[4]).value == 5 and words[5] == 7
     assert len(recorder.firsts) == 1
+
+
+def test_direct_launcher_reads_a_per_stream_argument_by_the_current_stream(fastlaunch):
+    """A per-stream argument is a dict from stream handles to tensors: the
+    launcher passes the current stream's (a CPU tensor's stream is handle 0
+    here), declines a stream without one, and refuses anything but a dict."""
+    recorder = _Recorder()
+    c, buf = _direct(fastlaunch, recorder.address, rows=set(), per_stream={1})
+    x, mine, other = torch.zeros(4, 8), torch.zeros(3, 5), torch.zeros(2, 2)
+    assert c(x, {0: mine, 12345: other}, 1.0) is None
+    words = buf.tolist()
+    assert words[3] == mine.data_ptr() and ctypes.c_int32(words[4]).value == 3 and words[5] == 5
+    assert c(x, {12345: other}, 1.0) is NotImplemented and c(x, {}, 1.0) is NotImplemented
+    assert len(recorder.firsts) == 1  # the declined calls launched nothing
+    with pytest.raises(TypeError, match="dict"):
+        c(x, mine, 1.0)
+    with pytest.raises(TypeError, match="torch.Tensor"):
+        c(x, {0: "not a tensor"}, 1.0)
 
 
 CONTEXT_GETTER = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(ctypes.c_void_p))

@@ -94,8 +94,9 @@ def test_split_buffers_per_stream_kept_when_outgrown(monkeypatch):
 
 
 def test_fast_path_keeps_each_streams_buffers(monkeypatch):
-    """The fast path's getter builds a stream's views once, and keeps them
-    when that stream's buffers grow (the outgrown ones stay alive)."""
+    """The fast path keeps each stream's views in the dicts its launcher
+    reads, and keeps them when that stream's buffers grow (the outgrown ones
+    stay alive)."""
     class Stream:
         def __init__(self, handle):
             self.cuda_stream = handle
@@ -107,17 +108,20 @@ def test_fast_path_keeps_each_streams_buffers(monkeypatch):
     monkeypatch.setattr(split, "_raw_stream", lambda index: current[0])
     monkeypatch.setattr(split.ti, "capturing", lambda device: False)
     cfg, cpu = gemm_config(4096, m_class="small_m"), torch.device("cpu")
-    buffers = split.stream_buffers(cfg, split.SplitPlan(tiles=4, splits=3), cpu)
-    first = buffers()
+    buffers = split.StreamBuffers(cfg, split.SplitPlan(tiles=4, splits=3), cpu)
+    workspaces, counters = buffers.add_current()
+    assert workspaces is buffers.workspaces and counters is buffers.counters
+    first = workspaces[1], counters[1]
     assert first[0].shape == (3, 4 * cfg.tile_m * cfg.tile_n) and first[1].shape == (4,)
     split.split_buffers(cfg, split.SplitPlan(tiles=64, splits=3), cpu)  # stream 1's buffers grow
-    again = buffers()
-    assert again[0] is first[0] and again[1] is first[1]
     (kept,) = split._BUFFERS.values()
     assert any(old.data_ptr() == first[0].data_ptr() for old in kept.outgrown)
+    assert buffers.workspaces[1] is first[0]  # the kept view still serves stream 1
     current[0] = 2
-    other = buffers()
-    assert other[0].data_ptr() != first[0].data_ptr() and other[1].data_ptr() != first[1].data_ptr()
+    buffers.add_current()
+    assert set(buffers.workspaces) == set(buffers.counters) == {1, 2}
+    assert buffers.workspaces[2].data_ptr() != first[0].data_ptr()
+    assert buffers.counters[2].data_ptr() != first[1].data_ptr()
 
 
 def test_a_graph_capture_never_shares_buffers_it_allocates(monkeypatch):
@@ -137,12 +141,14 @@ def test_a_graph_capture_never_shares_buffers_it_allocates(monkeypatch):
     own, _ = split.split_buffers(cfg, plan, cpu)
     (kept,) = split._BUFFERS.values()
     assert kept.workspace is None and kept.counters is None  # nothing shared was allocated
-    buffers = split.stream_buffers(cfg, plan, cpu)
-    first, second = buffers(), buffers()  # fresh each call
-    assert len({first[0].data_ptr(), second[0].data_ptr(), own.data_ptr()}) == 3
+    buffers = split.StreamBuffers(cfg, plan, cpu)
+    (first, _), (second, _) = buffers.add_current(), buffers.add_current()  # fresh each call, kept nowhere
+    assert len({first[1].data_ptr(), second[1].data_ptr(), own.data_ptr()}) == 3
+    assert not buffers.workspaces and not buffers.counters
     capturing[0] = False
-    eager, _ = buffers()
-    assert buffers()[0] is eager and kept.workspace.data_ptr() == eager.data_ptr()
+    workspaces, _ = buffers.add_current()
+    eager = workspaces[1]
+    assert buffers.workspaces == {1: eager} and kept.workspace.data_ptr() == eager.data_ptr()
     capturing[0] = True
     inside, _ = split.split_buffers(cfg, split.SplitPlan(tiles=2, splits=3), cpu)
     assert inside.data_ptr() == eager.data_ptr()  # held already: the stream's own
@@ -150,12 +156,28 @@ def test_a_graph_capture_never_shares_buffers_it_allocates(monkeypatch):
 
 @pytest.mark.parametrize("rows", [2, 100])  # the 64-row and the 128-row split classes
 def test_fast_path_passes_the_split_buffers_in_the_kernels_order(monkeypatch, rows):
-    """The split classes' closure hands its launcher the current stream's buffers
-    where the kernel declares them (a recording launcher; the GPU tests launch)."""
-    calls = []
-    monkeypatch.setattr(gemm_op.fastpath, "direct", lambda plan, role, device, rows=None: lambda *a: calls.append(a))
-    buffers = (torch.zeros(3, 4), torch.zeros(4, dtype=torch.int32))
-    monkeypatch.setattr(gemm_op, "stream_buffers", lambda cfg, sp, device: lambda: buffers)
+    """The split classes' closure hands its launcher the streams' buffers
+    where the kernel declares them, as dicts the launcher reads by the
+    current stream; a stream without buffers yet is declined, and the
+    closure adds them and launches again (a recording launcher; the GPU
+    tests launch)."""
+    calls, directs = [], []
+
+    def direct(plan, role, device, rows=None, per_stream=frozenset()):
+        directs.append(per_stream)
+
+        def launch(*a):
+            calls.append(a)
+            return NotImplemented if len(calls) == 1 else None  # the first call: no buffers yet
+        return launch
+
+    monkeypatch.setattr(gemm_op.fastpath, "direct", direct)
+
+    def add_current(self):  # stream 7's buffers
+        self.workspaces[7], self.counters[7] = "workspace", "counters"
+        return self.workspaces, self.counters
+
+    monkeypatch.setattr(gemm_op.StreamBuffers, "add_current", add_current)
     a, b = torch.randn(rows, 4096), torch.randn(4096, 4096)
     ops, _ = gemm_op.call_operands(a, b, a.dtype, None, None, None, None, False)
     plan = plan_for(gemm_op.signature_of(ops))
@@ -163,13 +185,15 @@ def test_fast_path_passes_the_split_buffers_in_the_kernels_order(monkeypatch, ro
     run = gemm_op._dense_closure(plan, role, ops, ops.out)
     out = run(a, b, None, None, 0)
     names = plan.kernel_of(role).launch.parameters
-    (args,) = calls
-    assert len(args) == len(names)
-    by_name = dict(zip(names, args))
+    assert directs == [frozenset({names.index("workspace"), names.index("counters")})]
+    assert len(calls) == 2 and calls[0][3:] == calls[1][3:]
+    by_name = dict(zip(names, calls[1]))
+    assert len(calls[1]) == len(names)
     assert by_name["stream"] is None  # (the launcher reads it)
     assert by_name["a"] is a and by_name["d"] is out and out.shape == (rows, 4096)
-    assert by_name["workspace"] is buffers[0] and by_name["counters"] is buffers[1]
+    assert by_name["workspace"] == {7: "workspace"} and by_name["counters"] == {7: "counters"}
     assert by_name["max_clusters"] > 0 and by_name["bias"] is None
+    assert run(a, b, None, None, 0) is not NotImplemented and len(calls) == 3  # kept: one launch
 
 
 def _operands(m, k, n, dtype=torch.bfloat16):

@@ -179,15 +179,17 @@ def row_positions(plan, role: str) -> frozenset[int]:
     return frozenset(i for i, name in enumerate(launch.parameters) if name in launch.rows)
 
 
-def direct(plan, role: str, device: torch.device, rows: Optional[frozenset[int]] = None):
+def direct(plan, role: str, device: torch.device, rows: Optional[frozenset[int]] = None,
+           per_stream: frozenset[int] = frozenset()):
     """The direct C launcher of ``plan``'s ``role`` kernel on ``device``
     (``KernelHandle.direct``), or None.  ``rows``: the argument positions it
-    views as (M, N) rows (None: those its launch names)."""
+    views as (M, N) rows (None: those its launch names); ``per_stream``:
+    those it takes as a dict of each stream's tensor."""
     if rows is None:
         rows = row_positions(plan, role)
     handle = plan.kernel(role)
     make = getattr(handle, "direct", None)
-    return make(device.index, rows) if make is not None else None
+    return make(device.index, rows, per_stream) if make is not None else None
 
 
 def clear() -> None:

@@ -51,10 +51,14 @@ typedef struct {
 /* ROWS and ROW_STRIDE read a contiguous (..., N) tensor as the (M, N) rows
  * a row-wise kernel takes (M the product of the leading sizes, row stride
  * N) with no view made in Python; CURRENT_STREAM is torch's current stream
- * on the device of the call's first tensor. */
+ * on the device of the call's first tensor.  PER_STREAM writes nothing: it
+ * says the argument is a dict from stream handles (ints) to the tensor its
+ * later fields read, the entry of that current stream (a call on a stream
+ * without one is declined), so a kernel's per-stream buffers (split K's
+ * workspace) cost no Python lookup. */
 enum what {
     DATA = 'd', SIZE = 's', STRIDE = 't', VALUE = 'v', STREAM = 'q',
-    ROWS = 'S', ROW_STRIDE = 'T', CURRENT_STREAM = 'Q'
+    ROWS = 'S', ROW_STRIDE = 'T', CURRENT_STREAM = 'Q', PER_STREAM = 'K'
 };
 enum ctype { I32 = 'i', I64 = 'l', F32 = 'f', F64 = 'd', BOOL = 'b' };
 
@@ -129,28 +133,63 @@ static int view(Launcher *self, PyObject *obj, Py_ssize_t index, DLTensor *out) 
     return self->api->dltensor_from_py_object_no_sync((void *)obj, out);
 }
 
+/* torch's current stream on the device of the call's first tensor (read
+ * before: device_id >= 0). */
+static int current_stream(Launcher *self, DLDevice first, void **out) {
+    if (first.device_id < 0) {
+        PyErr_SetString(PyExc_ValueError, "quack launcher: the current stream follows a tensor argument");
+        return -1;
+    }
+    if (self->api->current_work_stream == NULL ||
+        self->api->current_work_stream(first.device_type, first.device_id, out) != 0) {
+        PyErr_SetString(PyExc_RuntimeError, "quack launcher: torch gave no current stream");
+        return -1;
+    }
+    return 0;
+}
+
+/* The PER_STREAM argument's entry for the current stream, a new reference
+ * kept in held[arg] (0: none, the call is declined; -1: an error). */
+static int stream_entry(Launcher *self, PyObject *dict, DLDevice first, int32_t arg, PyObject **held) {
+    void *stream;
+    if (!PyDict_Check(dict)) {
+        PyErr_Format(PyExc_TypeError, "quack launcher: argument %d must be a dict of the streams' tensors", arg);
+        return -1;
+    }
+    if (current_stream(self, first, &stream) < 0) return -1;
+    PyObject *key = PyLong_FromVoidPtr(stream);
+    if (key == NULL) return -1;
+    PyObject *entry = PyObject_GetItem(dict, key);
+    Py_DECREF(key);
+    if (entry == NULL) {
+        if (!PyErr_ExceptionMatches(PyExc_KeyError)) return -1;
+        PyErr_Clear();
+        return 0;
+    }
+    Py_XDECREF(held[arg]);
+    held[arg] = entry;
+    return 1;
+}
+
 /* Step 1: every field's value, with every check (a tensor with elements and
  * a null data pointer, a fake or meta tensor, is refused).  Python code may
  * run here (__float__ and __index__ of scalars, __torch_dispatch__ of a
- * tensor subclass's sizes) and let another thread run.  Returns -1 on an
- * error, 1 where a tensor is on another device than the launcher's (declined). */
-static int read_values(Launcher *self, PyObject *const *args, Scalar *values) {
+ * tensor subclass's sizes) and let another thread run.  held[arg] keeps a
+ * PER_STREAM argument's tensor alive until the launch.  Returns -1 on an
+ * error, 1 where a tensor is on another device than the launcher's or a
+ * stream has no entry (declined). */
+static int read_values(Launcher *self, PyObject *const *args, Scalar *values, PyObject **held) {
     DLTensor t;
     Py_ssize_t viewed = -1; /* the argument t describes */
     DLDevice first = {0, -1}; /* the device of the first tensor read */
     for (Py_ssize_t i = 0; i < self->nfields; i++) {
         const Field *f = &self->fields[i];
-        PyObject *obj = args[f->arg];
-        if (f->what == CURRENT_STREAM) {
-            if (first.device_id < 0) {
-                PyErr_SetString(PyExc_ValueError, "quack launcher: the current stream follows a tensor argument");
-                return -1;
-            }
-            if (self->api->current_work_stream == NULL ||
-                self->api->current_work_stream(first.device_type, first.device_id, &values[i].p) != 0) {
-                PyErr_SetString(PyExc_RuntimeError, "quack launcher: torch gave no current stream");
-                return -1;
-            }
+        PyObject *obj = held[f->arg] != NULL ? held[f->arg] : args[f->arg];
+        if (f->what == PER_STREAM) {
+            int found = stream_entry(self, args[f->arg], first, f->arg, held);
+            if (found <= 0) return found < 0 ? -1 : 1;
+        } else if (f->what == CURRENT_STREAM) {
+            if (current_stream(self, first, &values[i].p) < 0) return -1;
         } else if (f->what == STREAM) {
             values[i].p = PyLong_AsVoidPtr(obj);
             if (values[i].p == NULL && PyErr_Occurred()) return -1;
@@ -215,6 +254,7 @@ static void write_fields(Launcher *self, const Scalar *values) {
     for (Py_ssize_t i = 0; i < self->nfields; i++) {
         const Field *f = &self->fields[i];
         char *at = self->buffer + f->offset;
+        if (f->what == PER_STREAM) continue;
         if (f->what == DATA || f->what == STREAM || f->what == CURRENT_STREAM) {
             *(void **)at = values[i].p;
             continue;
@@ -235,15 +275,9 @@ static int takes(Launcher *self, Py_ssize_t n) {
     return 0;
 }
 
-/* The launch on items[0:n]: None, NotImplemented (declined), or NULL on an error. */
-static PyObject *launcher_run(Launcher *self, PyObject *const *items, Py_ssize_t n) {
-    if (!takes(self, n)) return NULL;
-    if (self->get_context != NULL) {
-        void *current = NULL;
-        if (self->get_context(&current) != 0 || current != self->context) Py_RETURN_NOTIMPLEMENTED;
-    }
-    Scalar values[MAX_FIELDS];
-    int read = read_values(self, items, values);
+/* read_values, write_fields, launch: None, NotImplemented, or NULL on an error. */
+static PyObject *launch_with(Launcher *self, PyObject *const *items, Scalar *values, PyObject **held) {
+    int read = read_values(self, items, values, held);
     if (read < 0) return NULL;
     if (read > 0) Py_RETURN_NOTIMPLEMENTED;
     write_fields(self, values);
@@ -261,6 +295,20 @@ static PyObject *launcher_run(Launcher *self, PyObject *const *items, Py_ssize_t
         return NULL;
     }
     Py_RETURN_NONE;
+}
+
+/* The launch on items[0:n]: None, NotImplemented (declined), or NULL on an error. */
+static PyObject *launcher_run(Launcher *self, PyObject *const *items, Py_ssize_t n) {
+    if (!takes(self, n)) return NULL;
+    if (self->get_context != NULL) {
+        void *current = NULL;
+        if (self->get_context(&current) != 0 || current != self->context) Py_RETURN_NOTIMPLEMENTED;
+    }
+    Scalar values[MAX_FIELDS];
+    PyObject *held[64] = {NULL};
+    PyObject *outcome = launch_with(self, items, values, held);
+    for (Py_ssize_t i = 0; i < n; i++) Py_XDECREF(held[i]);
+    return outcome;
 }
 
 static PyObject *launcher_call(PyObject *op, PyObject *args, PyObject *kwargs) {
@@ -299,11 +347,12 @@ static int one_of(const char *code, const char *codes) {
 
 /* A field's kind, and its C type where the kind takes one. */
 static int valid_field(const char *what, const char *ctype) {
-    if (!one_of(what, "dstvqSTQ")) return 0;
-    return what[0] == 'd' || what[0] == 'q' || what[0] == 'Q' || one_of(ctype, "ildfb");
+    if (!one_of(what, "dstvqSTQK")) return 0;
+    return what[0] == 'd' || what[0] == 'q' || what[0] == 'Q' || what[0] == 'K' || one_of(ctype, "ildfb");
 }
 
 static int field_size(char what, char ctype) {
+    if (what == PER_STREAM) return 0;
     if (what == DATA || what == STREAM || what == CURRENT_STREAM) return 8;
     return ctype == I32 || ctype == F32 ? 4 : ctype == BOOL ? 1 : 8;
 }

@@ -75,13 +75,14 @@ class KernelHandle(_Front):
         with _current(device):
             return other._fn(*args)
 
-    def direct(self, device: int, rows: frozenset[int] = frozenset()) -> Any:
+    def direct(self, device: int, rows: frozenset[int] = frozenset(),
+               per_stream: frozenset[int] = frozenset()) -> Any:
         """The C launcher of this kernel's module on ``device`` for the eager
         fast path (``FastLauncher.direct``), or None where there is none yet
         (no launch on that device so far) or at all."""
         handle = self if device == self.device else self._per_device.get(device)
         make = getattr(handle._fn, "direct", None) if handle is not None else None
-        return make(rows) if make is not None else None
+        return make(rows, per_stream) if make is not None else None
 
     def _load_for(self, device: int) -> "KernelHandle":
         if self.reload is None:

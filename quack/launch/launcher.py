@@ -273,22 +273,27 @@ class FastLauncher:
             if self._result is not None and self._result.value != 0:
                 raise RuntimeError(f"kernel launch failed with CUDA error {self._result.value}")
 
-    def direct(self, rows: frozenset[int]) -> Any:
+    def direct(self, rows: frozenset[int], per_stream: frozenset[int] = frozenset()) -> Any:
         """A C launcher for the eager fast path (``quack/calls/fastpath.py``), or
         None before the first call or without the C launcher.
 
-        It takes the arguments of the first call's pattern, with two
+        It takes the arguments of the first call's pattern, with three
         differences: each argument in ``rows`` is a contiguous (..., N)
-        tensor read as the (M, N) rows the kernel declares (no view needed),
-        and the stream is torch's current stream on the first tensor's
-        device (pass None).  It returns NotImplemented, launching nothing,
-        when the current CUDA context is not the one its module was loaded in
-        (another device is current: the caller takes the guarded path).  None
-        too where the first call found no context to check against."""
+        tensor read as the (M, N) rows the kernel declares (no view needed);
+        each argument in ``per_stream`` is a dict from stream handles to the
+        tensor to pass on that stream (a call on a stream without an entry
+        is declined); and the stream is torch's current stream on the first
+        tensor's device (pass None).  It returns NotImplemented, launching
+        nothing, when the current CUDA context is not the one its module was
+        loaded in (another device is current: the caller takes the guarded
+        path).  None too where the first call found no context to check
+        against."""
         if self._c is None or not self._context[1]:
             return None
         fields = []
         for index, what, ctype, dim, offset in c_fields(self._placed):
+            if index in per_stream and what == "d":
+                fields.append((index, "K", "", 0, 0))  # before the tensor's own fields
             if index in rows and what in "st" and dim == 0:
                 what = "S" if what == "s" else "T"
             elif what == "q":

@@ -40,7 +40,7 @@ from quack.families.gemm.config import resident_clusters
 from quack.families.gemm.operands import call_operands, check_gemm
 from quack.families.gemm.operands import columns
 from quack.families.gemm.product import check_alignment, product, run_role
-from quack.families.gemm.split import split_plan, stream_buffers
+from quack.families.gemm.split import StreamBuffers, split_plan
 from quack.families.gemm.signature import signature_of
 
 # This op's eager fast path (quack/calls/fastpath.py).
@@ -126,27 +126,31 @@ def _dense_closure(plan: Plan, role: str, ops, out: torch.Tensor):
     """The eager fast path's launch for dense calls like this one
     (``quack/calls/fastpath.py``): the same shapes and strides, so B's view,
     the grid and the K split are this call's (the split's buffers are the
-    current stream's, looked up per call)."""
-    launch = fastpath.direct(plan, role, out.device)
+    current stream's, which the C launcher looks up)."""
+    cfg = plan.signature.config(role)
+    # The split kernel takes workspace and counters side by side: each a dict of the streams' buffers.
+    workspace_at = plan.kernel_of(role).launch.parameters.index("workspace") if cfg.split_k else -1
+    per_stream = frozenset({workspace_at, workspace_at + 1}) if cfg.split_k else frozenset()
+    launch = fastpath.direct(plan, role, out.device, per_stream=per_stream)
     if launch is None:
         return None
     b_shape, b_strides = tuple(ops.b3.shape), ops.b3.stride()
     out_shape, out_dtype, device = tuple(out.shape), out.dtype, out.device
     empty = torch.empty
-    cfg = plan.signature.config(role)
     max_clusters = resident_clusters(cfg, out.device)
     rest = fastpath.trailing_arguments(plan, role, ("a", "b", "d"), max_clusters=max_clusters)
     if cfg.split_k:
-        buffers = stream_buffers(
+        buffers = StreamBuffers(
             cfg, split_plan(cfg, out_shape[0], columns(ops.b3, ops.b_n_major), ops.a.shape[1], max_clusters), device)
-        # (The kernel takes workspace and counters side by side.)
-        at = plan.kernel_of(role).launch.parameters.index("workspace") - 3
-        before, after = rest[:at], rest[at + 2:]
+        before, after = rest[:workspace_at - 3], rest[workspace_at - 1:]  # (rest follows a, b and d)
+        workspaces, counters = buffers.workspaces, buffers.counters
 
         def run_split(A, B, _cu_m, _cu_k, _out_dtype_code):  # the key fixed these
             out = empty(out_shape, device=device, dtype=out_dtype)
-            workspace, counters = buffers()
-            done = launch(A, B.as_strided(b_shape, b_strides), out, *before, workspace, counters, *after)
+            b = B.as_strided(b_shape, b_strides)
+            done = launch(A, b, out, *before, workspaces, counters, *after)
+            if done is NotImplemented:  # no buffers for this stream yet (or another device: declined again)
+                done = launch(A, b, out, *before, *buffers.add_current(), *after)
             return out if done is None else NotImplemented
 
         return run_split

@@ -11,7 +11,7 @@ the same from run to run."""
 from __future__ import annotations
 
 import threading
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 import torch
 
@@ -139,22 +139,25 @@ def split_buffers(cfg: GemmConfig, split: SplitPlan, device: torch.device):
         return workspace[: splits * width].view(splits, width), counters[:tiles]
 
 
-def stream_buffers(cfg: GemmConfig, split: SplitPlan, device: torch.device) -> Callable[[], tuple]:
+class StreamBuffers:
     """``split_buffers`` for the fast path's calls split as ``split``, kept
-    per stream: a repeated call then costs one dict lookup, not the views'
-    construction.  A kept view stays valid when its stream's buffers grow
-    (outgrown buffers are kept, and its counters stay zero between launches);
-    a capture's own buffers are never kept."""
-    index = device.index or 0
-    kept: dict[int, tuple] = {}
+    per stream in two dicts (stream handle to workspace, to counters) that
+    the C launcher reads itself (``per_stream`` arguments): a repeated call
+    costs no Python lookup.  A kept view stays valid when its stream's
+    buffers grow (outgrown buffers are kept, and its counters stay zero
+    between launches); a capture's own buffers are never kept."""
 
-    def buffers() -> tuple:
-        stream = _raw_stream(index)
-        found = kept.get(stream)
-        if found is None:
-            found = split_buffers(cfg, split, device)
-            if not ti.capturing(device):
-                kept[stream] = found
-        return found
+    def __init__(self, cfg: GemmConfig, split: SplitPlan, device: torch.device):
+        self.cfg, self.split, self.device = cfg, split, device
+        self.workspaces: dict[int, torch.Tensor] = {}
+        self.counters: dict[int, torch.Tensor] = {}
 
-    return buffers
+    def add_current(self) -> tuple[dict, dict]:
+        """The dicts to launch with on the current stream, which hold its
+        buffers: the kept ones, or, while a graph is captured, this launch's own."""
+        stream = _raw_stream(self.device.index or 0)
+        workspace, counters = split_buffers(self.cfg, self.split, self.device)
+        if ti.capturing(self.device):
+            return {stream: workspace}, {stream: counters}
+        self.workspaces[stream], self.counters[stream] = workspace, counters
+        return self.workspaces, self.counters
