@@ -295,23 +295,3 @@ def check_row_input(op: str, name: str, x: torch.Tensor, max_n: int) -> None:
         raise ValueError(f"N = {n} is larger than the supported {max_n}")
     check_rows(name, x.numel() // n)
     check_arch(op, x.device, "an sm_90 (Hopper) or newer GPU (its kernels use thread block clusters)", (9, 0))
-
-
-def partial_rows(rows: int, n: int, device: torch.device, m: int) -> torch.Tensor:
-    """The fp32 (rows, N) buffer of a persistent backward's partial sums over
-    M rows: left uninitialised when the kernel runs (its launch writes every
-    one of the rows), zeros when it does not (M = 0)."""
-    allocate = torch.empty if m > 0 else torch.zeros
-    return allocate(rows, n, device=device, dtype=torch.float32)
-
-
-def sum_partial_rows(partial: torch.Tensor | None, out: torch.Tensor | None) -> None:
-    """out = the column sums of ``partial``, in out's dtype (nothing if None).
-    Skipped in compile-only mode: nothing was launched, and CPU-only torch
-    cannot convert fake CUDA tensors."""
-    if partial is None or is_compile_only():
-        return
-    if out.dtype == torch.float32:
-        torch.sum(partial, 0, out=out)
-    else:
-        out.copy_(partial.sum(0))

@@ -6,8 +6,8 @@ persistent grid a call launches; ``run_norm_backward`` launches it."""
 from __future__ import annotations
 
 from quack.calls import occupancy
-from quack.calls import torch_interop as ti
 from quack.calls.launches import Launch, Output
+from quack.rowwise import partial_sums
 from quack.rowwise.config import RowConfig, backward_config
 
 # Where the backward keeps its weight slice, the same for every row tile:
@@ -90,9 +90,13 @@ def run_norm_backward(kernel, dw, db, **values) -> None:
         cfg, m, x.device.index or 0, x.element_size(),
         0 if weight is None else weight.element_size(), values.get("dh_out") is not None,
     )
-    rows = num_ctas * cfg.rows_per_cta
-    dw_partial = ti.partial_rows(rows, n, x.device, m) if dw is not None else None
-    db_partial = ti.partial_rows(rows, n, x.device, m) if db is not None else None
+    gradients = [g for g in (dw, db) if g is not None]
+    if not gradients:
+        kernel.run(**values, dw_partial=None, db_partial=None, num_ctas=num_ctas)
+        return
+    partials = partial_sums.partial_rows(num_ctas * cfg.rows_per_cta, n, len(gradients), x.device, m)
+    views = iter(partial_sums.gradient_rows(partials, n))
+    dw_partial = next(views) if dw is not None else None
+    db_partial = next(views) if db is not None else None
     kernel.run(**values, dw_partial=dw_partial, db_partial=db_partial, num_ctas=num_ctas)
-    ti.sum_partial_rows(dw_partial, dw)
-    ti.sum_partial_rows(db_partial, db)
+    partial_sums.sum_partial_rows(partials, gradients)

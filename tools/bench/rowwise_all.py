@@ -31,7 +31,7 @@ from harness import STANDARD_SHAPES, bench_ms, copy_bandwidth  # noqa: E402
 from launch_overhead import per_call_us  # noqa: E402
 
 import quack  # noqa: E402
-from quack.calls import torch_interop as ti  # noqa: E402
+from quack.rowwise import partial_sums  # noqa: E402
 
 DECODE_ROWS = (1, 2, 4, 8, 16, 32, 64)
 DECODE_N = (4096, 8192)
@@ -47,17 +47,17 @@ def partial_sum_bytes(call) -> int:
     call: each written by the kernel and read back by the sum (BENCHMARKS.md
     counts them)."""
     allocated = []
-    allocate = ti.partial_rows
+    allocate = partial_sums.partial_rows
 
     def recording(*args, **kwargs):
         allocated.append(allocate(*args, **kwargs))
         return allocated[-1]
 
-    ti.partial_rows = recording
+    partial_sums.partial_rows = recording
     try:
         call()
     finally:
-        ti.partial_rows = allocate
+        partial_sums.partial_rows = allocate
     return sum(2 * p.numel() * p.element_size() for p in allocated)
 
 

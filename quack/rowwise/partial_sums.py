@@ -1,0 +1,42 @@
+"""The norm backward's per-CTA partial sums of dw and db, and their sum.
+
+The kernel writes each CTA's fp32 partial rows of every gradient it
+computes; here they share one (rows, count * N) buffer, dw's in the first N
+columns and db's in the next, so one column sum reduces both.  A column sum
+over a few hundred rows is latency-bound: it costs about as much over 2N
+columns as over N, so LayerNorm's two gradients pay for one.  The kernel
+takes each gradient's columns as a view with the buffer's row stride."""
+
+from __future__ import annotations
+
+import torch
+
+from quack.compile_only import is_compile_only
+
+
+def partial_rows(rows: int, n: int, count: int, device: torch.device, m: int) -> torch.Tensor:
+    """The fp32 (rows, count * N) buffer of ``count`` gradients' partial
+    sums over M rows: left uninitialised when the kernel runs (its launch
+    writes every one of the rows), zeros when it does not (M = 0)."""
+    allocate = torch.empty if m > 0 else torch.zeros
+    return allocate(rows, count * n, device=device, dtype=torch.float32)
+
+
+def gradient_rows(partials: torch.Tensor, n: int) -> list[torch.Tensor]:
+    """Each gradient's (rows, N) view of the buffer, in order."""
+    return [partials[:, i * n:(i + 1) * n] for i in range(partials.shape[1] // n)]
+
+
+def sum_partial_rows(partials: torch.Tensor, outs: list[torch.Tensor]) -> None:
+    """outs[i] = the column sums of gradient i's partial rows, in out's
+    dtype.  Skipped in compile-only mode: nothing was launched, and
+    CPU-only torch cannot convert fake CUDA tensors."""
+    if is_compile_only():
+        return
+    if len(outs) == 1 and outs[0].dtype == torch.float32:
+        torch.sum(partials, 0, out=outs[0])
+        return
+    sums = partials.sum(0)
+    n = sums.numel() // len(outs)
+    for i, out in enumerate(outs):
+        out.copy_(sums[i * n:(i + 1) * n])
