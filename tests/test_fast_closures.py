@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from quack.calls import fastpath
+from quack.calls import torch_interop as ti
 
 # The modules (``quack.softmax`` and the like name the ops themselves).
 softmax, rmsnorm, layernorm = (importlib.import_module(f"quack.families.{name}.op") for name in ("softmax", "rmsnorm", "layernorm"))
@@ -21,7 +22,7 @@ pytest.importorskip("quack.launch._fastlaunch")
 def recorded(monkeypatch):
     """The closures get a launcher that records its arguments."""
     calls = []
-    def direct(plan, role, device, rows=None):
+    def direct(plan, role, device, rows=None, per_stream=frozenset()):
         rows = fastpath.row_positions(plan, role) if rows is None else rows
         return lambda *a: calls.append((rows, a))
 
@@ -57,11 +58,31 @@ def test_layernorm_closure(recorded):
     assert recorded == [({0, 3}, (x, w, b, y, None, None, 1e-5, None))]
 
 
-def test_cross_entropy_closure(recorded, monkeypatch):
+def test_cross_entropy_closure(monkeypatch):
+    """The reducing forward's scratch (row losses, counter) goes to the
+    launcher as dicts by stream; a stream without scratch yet is declined,
+    and the closure adds the stream's and launches again."""
     cross_entropy = importlib.import_module("quack.families.cross_entropy.op")
     counter, rows = torch.zeros(1, dtype=torch.int32), torch.empty(4)
+    calls, directs = [], []
+
+    def direct(plan, role, device, rows=None, per_stream=frozenset()):
+        directs.append((rows, per_stream))
+
+        def launch(*a):
+            calls.append(a)
+            return NotImplemented if len(calls) == 1 else None  # the first call: no scratch yet
+        return launch
+
+    monkeypatch.setattr(fastpath, "direct", direct)
     monkeypatch.setattr(cross_entropy, "reduction_scratch", lambda device, m: (counter, rows))
+    monkeypatch.setattr(ti, "current_stream", lambda device: 5)
     logits, target = torch.randn(4, 8), torch.zeros(4, dtype=torch.int64)
     plan = cross_entropy.plan_for(cross_entropy.CrossEntropyCall("float32", "int64", 8, 4, "mean", False))
-    loss = cross_entropy._inference_closure(plan, logits, target)(logits, target, -100, 0)
-    assert loss.shape == () and recorded == [({0}, (logits, target, rows, None, loss, None, counter, -100, None))]
+    run = cross_entropy._inference_closure(plan, logits, target)
+    loss = run(logits, target, -100, 0)
+    assert directs == [(None, frozenset({2, 6}))]  # (rows: those the launch names)
+    assert loss.shape == () and len(calls) == 2
+    assert calls[1] == (logits, target, {5: rows}, None, loss, None, {5: counter}, -100, None)
+    run(logits, target, -100, 0)
+    assert len(calls) == 3 and calls[2][2] == {5: rows}  # kept: one launch

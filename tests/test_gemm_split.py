@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import quack
+from quack.calls import fastpath
 from quack.calls import torch_interop as ti
 from quack.families.gemm import op as gemm_op
 from quack.families.gemm import split
@@ -105,23 +106,23 @@ def test_fast_path_keeps_each_streams_buffers(monkeypatch):
     current = [1]
     monkeypatch.setattr(split, "_BUFFERS", {})
     monkeypatch.setattr(split.torch.cuda, "current_stream", lambda device: streams[current[0]])
-    monkeypatch.setattr(split, "_raw_stream", lambda index: current[0])
-    monkeypatch.setattr(split.ti, "capturing", lambda device: False)
+    monkeypatch.setattr(ti, "current_stream", lambda device: current[0])
+    monkeypatch.setattr(ti, "capturing", lambda device: False)
     cfg, cpu = gemm_config(4096, m_class="small_m"), torch.device("cpu")
-    buffers = split.StreamBuffers(cfg, split.SplitPlan(tiles=4, splits=3), cpu)
+    plan = split.SplitPlan(tiles=4, splits=3)
+    buffers = fastpath.PerStream(lambda: split.split_buffers(cfg, plan, cpu), cpu, 2)
     workspaces, counters = buffers.add_current()
-    assert workspaces is buffers.workspaces and counters is buffers.counters
+    assert (workspaces, counters) == buffers.dicts and workspaces is buffers.dicts[0]
     first = workspaces[1], counters[1]
     assert first[0].shape == (3, 4 * cfg.tile_m * cfg.tile_n) and first[1].shape == (4,)
     split.split_buffers(cfg, split.SplitPlan(tiles=64, splits=3), cpu)  # stream 1's buffers grow
     (kept,) = split._BUFFERS.values()
     assert any(old.data_ptr() == first[0].data_ptr() for old in kept.outgrown)
-    assert buffers.workspaces[1] is first[0]  # the kept view still serves stream 1
+    assert workspaces[1] is first[0]  # the kept view still serves stream 1
     current[0] = 2
     buffers.add_current()
-    assert set(buffers.workspaces) == set(buffers.counters) == {1, 2}
-    assert buffers.workspaces[2].data_ptr() != first[0].data_ptr()
-    assert buffers.counters[2].data_ptr() != first[1].data_ptr()
+    assert set(workspaces) == set(counters) == {1, 2}
+    assert workspaces[2].data_ptr() != first[0].data_ptr() and counters[2].data_ptr() != first[1].data_ptr()
 
 
 def test_a_graph_capture_never_shares_buffers_it_allocates(monkeypatch):
@@ -134,21 +135,21 @@ def test_a_graph_capture_never_shares_buffers_it_allocates(monkeypatch):
     capturing = [True]
     monkeypatch.setattr(split, "_BUFFERS", {})
     monkeypatch.setattr(split.torch.cuda, "current_stream", lambda device: Stream())
-    monkeypatch.setattr(split, "_raw_stream", lambda index: 1)
-    monkeypatch.setattr(split.ti, "capturing", lambda device: capturing[0])
+    monkeypatch.setattr(ti, "current_stream", lambda device: 1)
+    monkeypatch.setattr(ti, "capturing", lambda device: capturing[0])
     cfg, cpu = gemm_config(4096, m_class="small_m"), torch.device("cpu")
     plan = split.SplitPlan(tiles=4, splits=3)
     own, _ = split.split_buffers(cfg, plan, cpu)
     (kept,) = split._BUFFERS.values()
     assert kept.workspace is None and kept.counters is None  # nothing shared was allocated
-    buffers = split.StreamBuffers(cfg, plan, cpu)
+    buffers = fastpath.PerStream(lambda: split.split_buffers(cfg, plan, cpu), cpu, 2)
     (first, _), (second, _) = buffers.add_current(), buffers.add_current()  # fresh each call, kept nowhere
     assert len({first[1].data_ptr(), second[1].data_ptr(), own.data_ptr()}) == 3
-    assert not buffers.workspaces and not buffers.counters
+    assert buffers.dicts == ({}, {})
     capturing[0] = False
     workspaces, _ = buffers.add_current()
     eager = workspaces[1]
-    assert buffers.workspaces == {1: eager} and kept.workspace.data_ptr() == eager.data_ptr()
+    assert buffers.dicts[0] == {1: eager} and kept.workspace.data_ptr() == eager.data_ptr()
     capturing[0] = True
     inside, _ = split.split_buffers(cfg, split.SplitPlan(tiles=2, splits=3), cpu)
     assert inside.data_ptr() == eager.data_ptr()  # held already: the stream's own
@@ -174,10 +175,10 @@ def test_fast_path_passes_the_split_buffers_in_the_kernels_order(monkeypatch, ro
     monkeypatch.setattr(gemm_op.fastpath, "direct", direct)
 
     def add_current(self):  # stream 7's buffers
-        self.workspaces[7], self.counters[7] = "workspace", "counters"
-        return self.workspaces, self.counters
+        self.dicts[0][7], self.dicts[1][7] = "workspace", "counters"
+        return self.dicts
 
-    monkeypatch.setattr(gemm_op.StreamBuffers, "add_current", add_current)
+    monkeypatch.setattr(gemm_op.fastpath.PerStream, "add_current", add_current)
     a, b = torch.randn(rows, 4096), torch.randn(4096, 4096)
     ops, _ = gemm_op.call_operands(a, b, a.dtype, None, None, None, None, False)
     plan = plan_for(gemm_op.signature_of(ops))

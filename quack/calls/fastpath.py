@@ -29,6 +29,7 @@ import torch
 
 from quack.launch import launcher
 from quack.calls import recording
+from quack.calls import torch_interop as ti
 from quack.cache import jit
 from quack.cache.mode import _COMPILE_ONLY_DEPTH, compile_only_active
 
@@ -190,6 +191,31 @@ def direct(plan, role: str, device: torch.device, rows: Optional[frozenset[int]]
     handle = plan.kernel(role)
     make = getattr(handle, "direct", None)
     return make(device.index, rows, per_stream) if make is not None else None
+
+
+class PerStream:
+    """A closure's per-stream launch arguments (scratch a kernel may not
+    share with a launch on another stream): one dict per argument, from
+    stream handle to tensor, which the C launcher reads itself by the
+    current stream (``direct``'s ``per_stream``), so a repeated call costs
+    no Python lookup.  A stream without an entry is declined; the closure
+    then calls ``add_current`` and launches again."""
+
+    def __init__(self, make: Callable[[], tuple], device: torch.device, count: int):
+        self._make, self._device = make, device
+        self.dicts = tuple({} for _ in range(count))
+
+    def add_current(self) -> tuple[dict, ...]:
+        """The dicts to launch with on the current stream, which hold its
+        tensors (``make()``'s): the kept ones, or, while a CUDA graph is
+        captured, this launch's own (a capture's tensors are never kept)."""
+        stream = ti.current_stream(self._device)
+        made = self._make()
+        if ti.capturing(self._device):
+            return tuple({stream: tensor} for tensor in made)
+        for kept, tensor in zip(self.dicts, made):
+            kept[stream] = tensor
+        return self.dicts
 
 
 def clear() -> None:

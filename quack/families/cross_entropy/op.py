@@ -428,20 +428,27 @@ def _inference_closure(plan: Plan, logits: torch.Tensor, target: torch.Tensor):
     (``quack/calls/fastpath.py``): the logits go to the kernel as rows, unviewed;
     the 0-dim result as the kernel's one-element output (it reads only its
     address)."""
-    launch = fastpath.direct(plan, "forward", logits.device)
+    leading = ("logits", "target", "loss", "lse", "out", "stats", "counter", "ignore_index")
+    # The row losses ("loss") and the counter are the stream's scratch: dicts the launcher reads.
+    per_stream = frozenset({leading.index("loss"), leading.index("counter")})
+    launch = fastpath.direct(plan, "forward", logits.device, per_stream=per_stream)
     if launch is None:
         return None
     m, dtype, device = logits.numel() // logits.shape[-1], logits.dtype, logits.device
     flat_target = target.dim() == 1 and target.is_contiguous()
     empty = torch.empty
-    leading = ("logits", "target", "loss", "lse", "out", "stats", "counter", "ignore_index")
     rest = fastpath.trailing_arguments(plan, "forward", leading)
+    scratch = fastpath.PerStream(lambda: reduction_scratch(device, m)[::-1], device, 2)
+    row_losses, counters = scratch.dicts
 
     def run(logits, target, ignore_index, _reduction):  # the key fixed the reduction
         out = empty((), device=device, dtype=dtype)
         t = target if flat_target else target.reshape(-1).contiguous()
-        counter, rows = reduction_scratch(device, m)
-        return out if launch(logits, t, rows, None, out, None, counter, ignore_index, *rest) is None else NotImplemented
+        done = launch(logits, t, row_losses, None, out, None, counters, ignore_index, *rest)
+        if done is NotImplemented:  # no scratch for this stream yet (or another device: declined again)
+            rows, count = scratch.add_current()
+            done = launch(logits, t, rows, None, out, None, count, ignore_index, *rest)
+        return out if done is None else NotImplemented
 
     return run
 

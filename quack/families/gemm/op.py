@@ -40,7 +40,7 @@ from quack.families.gemm.config import resident_clusters
 from quack.families.gemm.operands import call_operands, check_gemm
 from quack.families.gemm.operands import columns
 from quack.families.gemm.product import check_alignment, product, run_role
-from quack.families.gemm.split import StreamBuffers, split_plan
+from quack.families.gemm.split import split_buffers, split_plan
 from quack.families.gemm.signature import signature_of
 
 # This op's eager fast path (quack/calls/fastpath.py).
@@ -140,10 +140,10 @@ def _dense_closure(plan: Plan, role: str, ops, out: torch.Tensor):
     max_clusters = resident_clusters(cfg, out.device)
     rest = fastpath.trailing_arguments(plan, role, ("a", "b", "d"), max_clusters=max_clusters)
     if cfg.split_k:
-        buffers = StreamBuffers(
-            cfg, split_plan(cfg, out_shape[0], columns(ops.b3, ops.b_n_major), ops.a.shape[1], max_clusters), device)
+        split = split_plan(cfg, out_shape[0], columns(ops.b3, ops.b_n_major), ops.a.shape[1], max_clusters)
+        buffers = fastpath.PerStream(lambda: split_buffers(cfg, split, device), device, 2)
         before, after = rest[:workspace_at - 3], rest[workspace_at - 1:]  # (rest follows a, b and d)
-        workspaces, counters = buffers.workspaces, buffers.counters
+        workspaces, counters = buffers.dicts
 
         def run_split(A, B, _cu_m, _cu_k, _out_dtype_code):  # the key fixed these
             out = empty(out_shape, device=device, dtype=out_dtype)

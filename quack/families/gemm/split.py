@@ -93,11 +93,6 @@ class _Buffers:
 
 
 _BUFFERS: dict[tuple[int, int], _Buffers] = {}
-
-
-def _raw_stream(device_index: int) -> int:
-    """The raw handle of torch's current stream on the device (the fast path's per-call lookup)."""
-    return torch._C._cuda_getCurrentRawStream(device_index)
 _LOCK = threading.Lock()
 
 
@@ -137,27 +132,3 @@ def split_buffers(cfg: GemmConfig, split: SplitPlan, device: torch.device):
             buffers.grow(splits * width, tiles, device)
             workspace, counters = buffers.workspace, buffers.counters
         return workspace[: splits * width].view(splits, width), counters[:tiles]
-
-
-class StreamBuffers:
-    """``split_buffers`` for the fast path's calls split as ``split``, kept
-    per stream in two dicts (stream handle to workspace, to counters) that
-    the C launcher reads itself (``per_stream`` arguments): a repeated call
-    costs no Python lookup.  A kept view stays valid when its stream's
-    buffers grow (outgrown buffers are kept, and its counters stay zero
-    between launches); a capture's own buffers are never kept."""
-
-    def __init__(self, cfg: GemmConfig, split: SplitPlan, device: torch.device):
-        self.cfg, self.split, self.device = cfg, split, device
-        self.workspaces: dict[int, torch.Tensor] = {}
-        self.counters: dict[int, torch.Tensor] = {}
-
-    def add_current(self) -> tuple[dict, dict]:
-        """The dicts to launch with on the current stream, which hold its
-        buffers: the kept ones, or, while a graph is captured, this launch's own."""
-        stream = _raw_stream(self.device.index or 0)
-        workspace, counters = split_buffers(self.cfg, self.split, self.device)
-        if ti.capturing(self.device):
-            return {stream: workspace}, {stream: counters}
-        self.workspaces[stream], self.counters[stream] = workspace, counters
-        return self.workspaces, self.counters
