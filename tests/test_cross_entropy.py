@@ -140,3 +140,47 @@ def test_torch_compile_fullgraph(n):
         matrix.compiled(lambda x, target: ours(x, target) * 2), lambda **a: ref(**a) * 2,
         lambda **a: theirs(**a) * 2, {"x": logits, "target": target}, (), "grad_x", matrix.random_cotangents,
     )
+
+
+@pytest.mark.no_compile_only  # streams and graphs of fake tensors; the matrix warms the same objects
+def test_reducing_calls_on_streams_threads_and_a_graph_keep_their_scratch_apart():
+    """A reducing call's scratch (row losses, the CTAs' counter) is its
+    stream's: eager calls on two streams from four threads, then a CUDA
+    graph captured after them and replayed between eager calls, all give
+    the loss of the first call."""
+    import threading
+
+    shapes = [(8, 4096), (64, 8192)]
+    inputs = []
+    for m, n in shapes:
+        logits = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+        inputs.append((logits, torch.randint(0, n, (m,), device="cuda")))
+    with torch.no_grad():
+        refs = [quack.cross_entropy(*args) for args in inputs]  # (also sets up the fast path)
+        errors = []
+
+        def work(i):
+            try:
+                stream = torch.cuda.Stream()
+                stream.wait_stream(torch.cuda.default_stream())
+                with torch.no_grad(), torch.cuda.stream(stream):  # (grad mode is per thread)
+                    losses = [quack.cross_entropy(*inputs[i]) for _ in range(50)]
+                stream.synchronize()
+                assert all(torch.equal(loss, refs[i]) for loss in losses)
+            except BaseException as err:  # noqa: BLE001 - reported below
+                errors.append(err)
+
+        threads = [threading.Thread(target=work, args=(i % 2,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors, errors
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = quack.cross_entropy(*inputs[0])
+        for _ in range(3):
+            graph.replay()
+            eager = quack.cross_entropy(*inputs[0])
+            torch.cuda.synchronize()
+            assert torch.equal(captured, refs[0]) and torch.equal(eager, refs[0])
