@@ -145,42 +145,48 @@ def test_torch_compile_fullgraph(n):
 @pytest.mark.no_compile_only  # streams and graphs of fake tensors; the matrix warms the same objects
 def test_reducing_calls_on_streams_threads_and_a_graph_keep_their_scratch_apart():
     """A reducing call's scratch (row losses, the CTAs' counter) is its
-    stream's: eager calls on two streams from four threads, then a CUDA
-    graph captured after them and replayed between eager calls, all give
-    the loss of the first call."""
+    stream's, and a capture's its own: four threads, each with its own
+    logits and stream, give their first call's loss 50 times; a graph
+    captured on a stream that has run eager calls, replayed on another
+    stream while eager calls run on the first, gives its loss too."""
     import threading
 
-    shapes = [(8, 4096), (64, 8192)]
-    inputs = []
-    for m, n in shapes:
-        logits = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
-        inputs.append((logits, torch.randint(0, n, (m,), device="cuda")))
+    def inputs(m, n):
+        return torch.randn(m, n, device="cuda", dtype=torch.bfloat16), torch.randint(0, n, (m,), device="cuda")
+
+    calls = [inputs(*shape) for shape in [(8, 4096), (64, 8192), (8, 4096), (64, 8192)]]
     with torch.no_grad():
-        refs = [quack.cross_entropy(*args) for args in inputs]  # (also sets up the fast path)
-        errors = []
+        refs = [quack.cross_entropy(*args) for args in calls]  # (also sets up the fast path)
+    errors = []
 
-        def work(i):
-            try:
-                stream = torch.cuda.Stream()
-                stream.wait_stream(torch.cuda.default_stream())
-                with torch.no_grad(), torch.cuda.stream(stream):  # (grad mode is per thread)
-                    losses = [quack.cross_entropy(*inputs[i]) for _ in range(50)]
-                stream.synchronize()
-                assert all(torch.equal(loss, refs[i]) for loss in losses)
-            except BaseException as err:  # noqa: BLE001 - reported below
-                errors.append(err)
+    def work(i):
+        try:
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.default_stream())
+            with torch.no_grad(), torch.cuda.stream(stream):  # (grad mode is per thread)
+                losses = [quack.cross_entropy(*calls[i]) for _ in range(50)]
+            stream.synchronize()
+            assert all(torch.equal(loss, refs[i]) for loss in losses)
+        except BaseException as err:  # noqa: BLE001 - reported below
+            errors.append(err)
 
-        threads = [threading.Thread(target=work, args=(i % 2,)) for i in range(4)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        assert not errors, errors
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            captured = quack.cross_entropy(*inputs[0])
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+
+    side, graph = torch.cuda.Stream(), torch.cuda.CUDAGraph()
+    side.wait_stream(torch.cuda.default_stream())
+    with torch.no_grad():
+        with torch.cuda.stream(side):
+            quack.cross_entropy(*calls[0])  # the side stream's kept scratch
+        with torch.cuda.graph(graph, stream=side):
+            captured = quack.cross_entropy(*calls[0])
         for _ in range(3):
-            graph.replay()
-            eager = quack.cross_entropy(*inputs[0])
+            graph.replay()  # on the default stream
+            with torch.cuda.stream(side):
+                eager = [quack.cross_entropy(*calls[0]) for _ in range(5)]
             torch.cuda.synchronize()
-            assert torch.equal(captured, refs[0]) and torch.equal(eager, refs[0])
+            assert torch.equal(captured, refs[0]) and all(torch.equal(loss, refs[0]) for loss in eager)

@@ -77,6 +77,9 @@ def test_cross_entropy_closure(monkeypatch):
     monkeypatch.setattr(fastpath, "direct", direct)
     monkeypatch.setattr(cross_entropy, "reduction_scratch", lambda device, m: (counter, rows))
     monkeypatch.setattr(ti, "current_stream", lambda device: 5)
+    capturing = [False]
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    monkeypatch.setattr(ti, "capturing", lambda device: capturing[0])
     logits, target = torch.randn(4, 8), torch.zeros(4, dtype=torch.int64)
     plan = cross_entropy.plan_for(cross_entropy.CrossEntropyCall("float32", "int64", 8, 4, "mean", False))
     run = cross_entropy._inference_closure(plan, logits, target)
@@ -86,3 +89,30 @@ def test_cross_entropy_closure(monkeypatch):
     assert calls[1] == (logits, target, {5: rows}, None, loss, None, {5: counter}, -100, None)
     run(logits, target, -100, 0)
     assert len(calls) == 3 and calls[2][2] == {5: rows}  # kept: one launch
+    capturing[0] = True  # a capture never launches with the kept scratch: it gets its own
+    run(logits, target, -100, 0)
+    assert len(calls) == 4 and calls[3][2] == {5: rows} and calls[3][2] is not calls[2][2]
+
+
+def test_cross_entropy_scratch_grows_per_stream_and_keeps_views_valid(monkeypatch):
+    """A stream's row-loss buffer grows for a larger M (doubling) and never
+    shrinks: a smaller M gets a view of it, so a closure's kept view stays
+    valid; another stream gets its own; a capture gets fresh scratch."""
+    cross_entropy = importlib.import_module("quack.families.cross_entropy.op")
+    stream, capturing = [1], [False]
+    monkeypatch.setattr(cross_entropy, "_SCRATCH", {})
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: stream[0], raising=False)
+    monkeypatch.setattr(ti, "capturing", lambda device: capturing[0])
+    device = torch.device("cpu", 0)
+    counter, small = cross_entropy.reduction_scratch(device, 8)
+    assert small.shape == (8,) and counter.shape == (1,) and not counter.any()
+    _, large = cross_entropy.reduction_scratch(device, 12)
+    assert large.shape == (12,) and cross_entropy._SCRATCH[(0, 1)][1].shape == (16,)
+    again_counter, smaller = cross_entropy.reduction_scratch(device, 4)
+    assert again_counter is counter and smaller.data_ptr() == large.data_ptr()  # a view: no reallocation
+    stream[0] = 2
+    other_counter, other = cross_entropy.reduction_scratch(device, 4)
+    assert other_counter is not counter and other.data_ptr() != large.data_ptr()
+    capturing[0] = True
+    own_counter, own = cross_entropy.reduction_scratch(device, 4)
+    assert own_counter is not other_counter and own.data_ptr() != other.data_ptr()

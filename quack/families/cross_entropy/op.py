@@ -312,23 +312,24 @@ def reduction_scratch(device: torch.device, m: int, shared: bool = True) -> tupl
     """(counter, rows) for a reducing forward of M rows: the zeroed int32
     its CTAs take their tickets from (the last CTA zeroes it again) and the
     (M,) fp32 room for the row losses it sums.  One pair per device and
-    stream, since launches on one stream run one after another (rows
-    reallocated when M changes; the caching allocator hands a freed block
-    only to later work of the same stream); fresh ones while a CUDA graph is
-    captured on the device's current stream (the graph's own), in
-    compile-only mode, and where not ``shared``.  A stream destroyed
-    with a reducing forward still queued must not be followed, before that
-    forward ends, by a new stream with the same handle on the same device
-    (torch's pooled streams never are)."""
+    stream, since launches on one stream run one after another: rows are a
+    view of the stream's buffer, which grows (doubling) for a larger M and
+    is never shrunk, so the fast path's closures can keep their views;
+    fresh ones while a CUDA graph is captured on the device's current
+    stream (the graph's own), in compile-only mode, and where not
+    ``shared``.  A stream destroyed with a reducing forward still queued
+    must not be followed, before that forward ends, by a new stream with
+    the same handle on the same device (torch's pooled streams never are)."""
     if not shared or is_compile_only() or ti.capturing(device):
         return torch.zeros(1, device=device, dtype=torch.int32), torch.empty(m, device=device, dtype=torch.float32)
     index = device.index if device.index is not None else torch.cuda.current_device()
     key = (index, torch._C._cuda_getCurrentRawStream(index))
     scratch = _SCRATCH.get(key)
-    if scratch is None or scratch[1].shape[0] != m:
+    if scratch is None or scratch[1].shape[0] < m:
         counter = scratch[0] if scratch is not None else torch.zeros(1, device=device, dtype=torch.int32)
-        scratch = _SCRATCH[key] = (counter, torch.empty(m, device=device, dtype=torch.float32))
-    return scratch
+        rows = max(m, 2 * scratch[1].shape[0]) if scratch is not None else m
+        scratch = _SCRATCH[key] = (counter, torch.empty(rows, device=device, dtype=torch.float32))
+    return scratch[0], scratch[1][:m]
 
 
 def cross_entropy_bwd(logits, target, lse, dloss_rows, ignore_index: int = -100, *, plan: Optional[Plan] = None):
@@ -440,12 +441,16 @@ def _inference_closure(plan: Plan, logits: torch.Tensor, target: torch.Tensor):
     rest = fastpath.trailing_arguments(plan, "forward", leading)
     scratch = fastpath.PerStream(lambda: reduction_scratch(device, m)[::-1], device, 2)
     row_losses, counters = scratch.dicts
+    capturing = torch.cuda.is_current_stream_capturing
 
     def run(logits, target, ignore_index, _reduction):  # the key fixed the reduction
         out = empty((), device=device, dtype=dtype)
         t = target if flat_target else target.reshape(-1).contiguous()
-        done = launch(logits, t, row_losses, None, out, None, counters, ignore_index, *rest)
-        if done is NotImplemented:  # no scratch for this stream yet (or another device: declined again)
+        # A capture gets scratch of its own (add_current: reduction_scratch's),
+        # never a stream's kept scratch, which eager calls keep using.
+        done = NotImplemented if capturing() else launch(
+            logits, t, row_losses, None, out, None, counters, ignore_index, *rest)
+        if done is NotImplemented:  # no scratch for this stream yet, a capture (or another device: declined again)
             rows, count = scratch.add_current()
             done = launch(logits, t, rows, None, out, None, count, ignore_index, *rest)
         return out if done is None else NotImplemented
