@@ -2,6 +2,7 @@
 one buffer for both gradients, allocated uninitialised when the kernel
 writes every row, summed into each gradient in its dtype."""
 
+import pytest
 import torch
 
 from quack.rowwise import partial_sums
@@ -24,13 +25,37 @@ def test_each_gradient_has_its_columns_of_one_buffer():
     assert db.data_ptr() - dw.data_ptr() == 8 * 4  # (16-byte aligned wherever N is a multiple of 4)
 
 
-def test_partial_rows_are_summed_into_each_gradient_in_its_dtype():
+@pytest.mark.parametrize("widest_gemv", [0, 1 << 20], ids=["column sum", "gemv"])
+def test_partial_rows_are_summed_into_each_gradient_in_its_dtype(monkeypatch, widest_gemv):
+    monkeypatch.setattr(partial_sums, "GEMV_MAX_COLUMNS", widest_gemv)
     partials = torch.arange(48, dtype=torch.float32).reshape(3, 16) / 7
+    exact = partials.double().sum(0)
     for dw_dtype in (torch.float32, torch.bfloat16):
         dw, db = torch.full((8,), float("nan"), dtype=dw_dtype), torch.full((8,), float("nan"))
         partial_sums.sum_partial_rows(partials, [dw, db])
-        torch.testing.assert_close(dw, partials[:, :8].sum(0).to(dw_dtype))
-        torch.testing.assert_close(db, partials[:, 8:].sum(0), rtol=0, atol=0)
+        torch.testing.assert_close(dw, exact[:8].to(dw_dtype))
+        torch.testing.assert_close(db, exact[8:].float())
     alone = torch.full((16,), float("nan"))  # one gradient (RMSNorm's dw) over the whole buffer
     partial_sums.sum_partial_rows(partials, [alone])
-    torch.testing.assert_close(alone, partials.sum(0), rtol=0, atol=0)
+    torch.testing.assert_close(alone, exact.float())
+
+
+def test_short_rows_take_the_gemv_and_long_rows_the_column_sum(monkeypatch):
+    taken = []
+    real_mv, real_sum = torch.mv, torch.Tensor.sum
+    monkeypatch.setattr(torch, "mv", lambda *a, **k: taken.append("gemv") or real_mv(*a, **k))
+    monkeypatch.setattr(torch.Tensor, "sum", lambda *a, **k: taken.append("sum") or real_sum(*a, **k))
+    widest = partial_sums.GEMV_MAX_COLUMNS
+    for columns in (widest, widest + 8):
+        partial_sums.sum_partial_rows(torch.ones(2, columns), [torch.empty(columns // 2), torch.empty(columns // 2)])
+    assert taken == ["gemv", "sum"]
+
+
+def test_the_vector_of_ones_is_not_kept_from_a_capture(monkeypatch):
+    monkeypatch.setattr(partial_sums, "_ONES", {})
+    monkeypatch.setattr(partial_sums.ti, "capturing", lambda device: True)
+    assert partial_sums._ones(5, torch.device("cpu")).tolist() == [1.0] * 5
+    assert partial_sums._ONES == {}
+    monkeypatch.setattr(partial_sums.ti, "capturing", lambda device: False)
+    kept = partial_sums._ones(5, torch.device("cpu"))
+    assert partial_sums._ones(5, torch.device("cpu")) is kept

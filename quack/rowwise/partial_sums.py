@@ -4,14 +4,22 @@ The kernel writes each CTA's fp32 partial rows of every gradient it
 computes; here they share one (rows, count * N) buffer, dw's in the first N
 columns and db's in the next, so one column sum reduces both.  A column sum
 over a few hundred rows is latency-bound: it costs about as much over 2N
-columns as over N, so LayerNorm's two gradients pay for one.  The kernel
-takes each gradient's columns as a view with the buffer's row stride."""
+columns as over N, so LayerNorm's two gradients pay for one.  Many short
+rows (a few thousand columns) are summed faster still as a matrix-vector
+product with a vector of ones, which cuBLAS reads at full bandwidth (the
+same bits from run to run: its GEMV takes no atomics); few long rows
+stay with the column sum, which reads them faster.  The kernel takes each
+gradient's columns as a view with the buffer's row stride."""
 
 from __future__ import annotations
 
 import torch
 
+from quack.calls import torch_interop as ti
 from quack.compile_only import is_compile_only
+
+# The widest partial rows summed as a GEMV; wider ones take torch's column sum.
+GEMV_MAX_COLUMNS = 16384
 
 
 def partial_rows(rows: int, n: int, count: int, device: torch.device, m: int) -> torch.Tensor:
@@ -33,10 +41,28 @@ def sum_partial_rows(partials: torch.Tensor, outs: list[torch.Tensor]) -> None:
     CPU-only torch cannot convert fake CUDA tensors."""
     if is_compile_only():
         return
+    gemv = partials.shape[1] <= GEMV_MAX_COLUMNS
     if len(outs) == 1 and outs[0].dtype == torch.float32:
-        torch.sum(partials, 0, out=outs[0])
+        if gemv:
+            torch.mv(partials.t(), _ones(partials.shape[0], partials.device), out=outs[0])
+        else:
+            torch.sum(partials, 0, out=outs[0])
         return
-    sums = partials.sum(0)
+    sums = torch.mv(partials.t(), _ones(partials.shape[0], partials.device)) if gemv else partials.sum(0)
     n = sums.numel() // len(outs)
     for i, out in enumerate(outs):
         out.copy_(sums[i * n:(i + 1) * n])
+
+
+_ONES: dict[tuple[torch.device, int], torch.Tensor] = {}
+
+
+def _ones(rows: int, device: torch.device) -> torch.Tensor:
+    """A (rows,) fp32 vector of ones, kept per device and length outside a
+    CUDA graph's capture (a captured one lives in the graph's memory pool)."""
+    ones = _ONES.get((device, rows))
+    if ones is None:
+        ones = torch.ones(rows, device=device, dtype=torch.float32)
+        if not ti.capturing(device):
+            _ONES[(device, rows)] = ones
+    return ones
