@@ -68,9 +68,9 @@ def test_the_call_tells_the_rule_whether_its_weight_fits_in_l2(k, role):
     assert run_role(plan_for(gemm_op.signature_of(ops)), ops) == role
 
 
-def test_split_buffers_per_stream_kept_when_outgrown(monkeypatch):
-    """Buffers per stream; an outgrown one stays alive (a captured CUDA graph
-    may replay into it); an unsplit launch gets a token row and counter."""
+def test_split_buffers_per_stream_grow_by_doubling(monkeypatch):
+    """Buffers per stream, grown to at least twice their size; an unsplit
+    launch gets a token row and counter."""
     class Stream:
         def __init__(self, handle):
             self.cuda_stream = handle
@@ -78,6 +78,7 @@ def test_split_buffers_per_stream_kept_when_outgrown(monkeypatch):
     stream = Stream(1)
     monkeypatch.setattr(split, "_BUFFERS", {})
     monkeypatch.setattr(split.torch.cuda, "current_stream", lambda device: stream)
+    monkeypatch.setattr(ti, "capturing", lambda device: False)
     cfg, cpu = gemm_config(4096, m_class="small_m"), torch.device("cpu")
     tile = cfg.tile_m * cfg.tile_n
     workspace, counters = split.split_buffers(cfg, split.SplitPlan(tiles=1000, splits=1), cpu)
@@ -85,10 +86,10 @@ def test_split_buffers_per_stream_kept_when_outgrown(monkeypatch):
     workspace, counters = split.split_buffers(cfg, split.SplitPlan(tiles=4, splits=3), cpu)
     assert workspace.shape == (3, 4 * tile) and counters.shape == (4,) and not counters.any()
     first = workspace
-    workspace, _ = split.split_buffers(cfg, split.SplitPlan(tiles=8, splits=3), cpu)
-    assert workspace.shape == (3, 8 * tile) and workspace.data_ptr() != first.data_ptr()
+    workspace, _ = split.split_buffers(cfg, split.SplitPlan(tiles=5, splits=3), cpu)
+    assert workspace.shape == (3, 5 * tile) and workspace.data_ptr() != first.data_ptr()
     (kept,) = split._BUFFERS.values()
-    assert any(old.data_ptr() == first.data_ptr() for old in kept.outgrown)
+    assert kept.workspace.numel() == 2 * first.numel() and kept.counters.numel() == 2 * 4
     stream = Stream(2)
     other, _ = split.split_buffers(cfg, split.SplitPlan(tiles=4, splits=3), cpu)
     assert len(split._BUFFERS) == 2 and other.data_ptr() != workspace.data_ptr()
@@ -96,8 +97,7 @@ def test_split_buffers_per_stream_kept_when_outgrown(monkeypatch):
 
 def test_fast_path_keeps_each_streams_buffers(monkeypatch):
     """The fast path keeps each stream's views in the dicts its launcher
-    reads, and keeps them when that stream's buffers grow (the outgrown ones
-    stay alive)."""
+    reads, and keeps them when that stream's buffers grow."""
     class Stream:
         def __init__(self, handle):
             self.cuda_stream = handle
@@ -116,8 +116,6 @@ def test_fast_path_keeps_each_streams_buffers(monkeypatch):
     first = workspaces[1], counters[1]
     assert first[0].shape == (3, 4 * cfg.tile_m * cfg.tile_n) and first[1].shape == (4,)
     split.split_buffers(cfg, split.SplitPlan(tiles=64, splits=3), cpu)  # stream 1's buffers grow
-    (kept,) = split._BUFFERS.values()
-    assert any(old.data_ptr() == first[0].data_ptr() for old in kept.outgrown)
     assert workspaces[1] is first[0]  # the kept view still serves stream 1
     current[0] = 2
     buffers.add_current()
@@ -125,34 +123,31 @@ def test_fast_path_keeps_each_streams_buffers(monkeypatch):
     assert workspaces[2].data_ptr() != first[0].data_ptr() and counters[2].data_ptr() != first[1].data_ptr()
 
 
-def test_a_graph_capture_never_shares_buffers_it_allocates(monkeypatch):
-    """While a CUDA graph is captured, a launch the stream's buffers do not
-    hold gets its own (their zeroing is the graph's, run only at replay), and
-    the fast path keeps none of them; the stream's own still serve what they hold."""
+def test_a_graph_capture_gets_buffers_of_its_own(monkeypatch):
+    """While a CUDA graph is captured, every launch gets buffers of its own
+    (the graph may replay on any stream, and their zeroing is the graph's,
+    run only at replay), also where the stream's would hold it, and the fast
+    path keeps none of them."""
     class Stream:
         cuda_stream = 1
 
-    capturing = [True]
+    capturing = [False]
     monkeypatch.setattr(split, "_BUFFERS", {})
     monkeypatch.setattr(split.torch.cuda, "current_stream", lambda device: Stream())
     monkeypatch.setattr(ti, "current_stream", lambda device: 1)
     monkeypatch.setattr(ti, "capturing", lambda device: capturing[0])
     cfg, cpu = gemm_config(4096, m_class="small_m"), torch.device("cpu")
     plan = split.SplitPlan(tiles=4, splits=3)
-    own, _ = split.split_buffers(cfg, plan, cpu)
-    (kept,) = split._BUFFERS.values()
-    assert kept.workspace is None and kept.counters is None  # nothing shared was allocated
     buffers = fastpath.PerStream(lambda: split.split_buffers(cfg, plan, cpu), cpu, 2)
-    (first, _), (second, _) = buffers.add_current(), buffers.add_current()  # fresh each call, kept nowhere
-    assert len({first[1].data_ptr(), second[1].data_ptr(), own.data_ptr()}) == 3
-    assert buffers.dicts == ({}, {})
-    capturing[0] = False
-    workspaces, _ = buffers.add_current()
-    eager = workspaces[1]
-    assert buffers.dicts[0] == {1: eager} and kept.workspace.data_ptr() == eager.data_ptr()
+    workspaces, counters = buffers.add_current()
+    eager = workspaces[1], counters[1]
     capturing[0] = True
-    inside, _ = split.split_buffers(cfg, split.SplitPlan(tiles=2, splits=3), cpu)
-    assert inside.data_ptr() == eager.data_ptr()  # held already: the stream's own
+    own, own_counters = split.split_buffers(cfg, split.SplitPlan(tiles=2, splits=3), cpu)
+    assert own.data_ptr() != eager[0].data_ptr() and own_counters.data_ptr() != eager[1].data_ptr()
+    assert own.shape == (3, 2 * cfg.tile_m * cfg.tile_n) and not own_counters.any()
+    (first, _), (second, _) = buffers.add_current(), buffers.add_current()  # fresh each call, kept nowhere
+    assert len({first[1].data_ptr(), second[1].data_ptr(), eager[0].data_ptr()}) == 3
+    assert buffers.dicts == ({1: eager[0]}, {1: eager[1]})
 
 
 @pytest.mark.parametrize("rows", [2, 100])  # the 64-row and the 128-row split classes
@@ -160,8 +155,8 @@ def test_fast_path_passes_the_split_buffers_in_the_kernels_order(monkeypatch, ro
     """The split classes' closure hands its launcher the streams' buffers
     where the kernel declares them, as dicts the launcher reads by the
     current stream; a stream without buffers yet is declined, and the
-    closure adds them and launches again (a recording launcher; the GPU
-    tests launch)."""
+    closure adds them and launches again; a capture launches once, with
+    add_current's (a recording launcher; the GPU tests launch)."""
     calls, directs = [], []
 
     def direct(plan, role, device, rows=None, per_stream=frozenset()):
@@ -179,6 +174,8 @@ def test_fast_path_passes_the_split_buffers_in_the_kernels_order(monkeypatch, ro
         return self.dicts
 
     monkeypatch.setattr(gemm_op.fastpath.PerStream, "add_current", add_current)
+    capturing = [False]
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
     a, b = torch.randn(rows, 4096), torch.randn(4096, 4096)
     ops, _ = gemm_op.call_operands(a, b, a.dtype, None, None, None, None, False)
     plan = plan_for(gemm_op.signature_of(ops))
@@ -195,6 +192,8 @@ def test_fast_path_passes_the_split_buffers_in_the_kernels_order(monkeypatch, ro
     assert by_name["workspace"] == {7: "workspace"} and by_name["counters"] == {7: "counters"}
     assert by_name["max_clusters"] > 0 and by_name["bias"] is None
     assert run(a, b, None, None, 0) is not NotImplemented and len(calls) == 3  # kept: one launch
+    capturing[0] = True  # a capture never launches with the kept buffers: add_current gives its own
+    assert run(a, b, None, None, 0) is not NotImplemented and len(calls) == 4
 
 
 def _operands(m, k, n, dtype=torch.bfloat16):
@@ -298,6 +297,35 @@ def test_graphs_replay_in_any_order():
         graphs[i].replay()
         torch.cuda.synchronize()
         assert torch.equal(outs[i], refs[i]), f"graph {i}"
+
+
+@pytest.mark.gpu
+@pytest.mark.no_compile_only  # graphs of fake tensors; the tests above warm the same objects
+def test_a_graph_replays_on_another_stream_beside_the_capture_streams_calls():
+    """A split call captured on a stream whose buffers already served it,
+    the graph replayed on a second stream while eager calls run on the
+    first: the graph has buffers of its own, so every result is right."""
+    a, b = _operands(16, 4096, 4096)
+    ref = quack.gemm(a, b)
+    first, second = torch.cuda.Stream(), torch.cuda.Stream()
+    for stream in (first, second):
+        stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(first):
+        quack.gemm(a, b)  # the first stream's buffers now hold the launch
+        with torch.cuda.graph(graph, stream=first):
+            captured = quack.gemm(a, b)
+    torch.cuda.synchronize()
+    replayed, eager = [], []
+    for _ in range(20):
+        with torch.cuda.stream(second):
+            graph.replay()
+            replayed.append(captured.clone())
+        with torch.cuda.stream(first):
+            eager.extend(quack.gemm(a, b) for _ in range(2))
+    torch.cuda.synchronize()
+    assert all(torch.equal(out, ref) for out in replayed), "graph replays"
+    assert all(torch.equal(out, ref) for out in eager), "eager calls"
 
 
 @pytest.mark.gpu

@@ -64,32 +64,29 @@ def dense_class(m: int, n: int, slots: int, weight_in_l2: bool = False) -> str:
 class _Buffers:
     """One stream's workspace and counters, grown on demand.  Per stream:
     launches on one stream run one after another, so they can share them;
-    launches on two streams may overlap, so they must not.  Outgrown buffers
-    are kept: a CUDA graph captured with them replays into them."""
+    launches on two streams may overlap, so they must not."""
 
     def __init__(self):
         self.workspace = None  # flat fp32
         self.counters = None  # int32 zeros (each launch's finalizers leave them zero)
-        self.outgrown = []
-
-    def holds(self, workspace: int, counters: int) -> bool:
-        """Whether the buffers have at least ``workspace`` floats and ``counters`` counters."""
-        return (self.workspace is not None and self.workspace.numel() >= workspace
-                and self.counters is not None and self.counters.numel() >= counters)
 
     def grow(self, workspace: int, counters: int, device: torch.device) -> None:
-        """At least ``workspace`` floats and ``counters`` counters (doubling, so
-        the outgrown ones add up to less than the current ones)."""
-        self.workspace = self._at_least(self.workspace, workspace, torch.empty, torch.float32, device)
-        self.counters = self._at_least(self.counters, counters, torch.zeros, torch.int32, device)
+        """At least ``workspace`` floats and ``counters`` counters (doubling:
+        a growing M reallocates them a few times, not at each call)."""
+        self.workspace = _at_least(self.workspace, workspace, torch.empty, torch.float32, device)
+        self.counters = _at_least(self.counters, counters, torch.zeros, torch.int32, device)
 
-    def _at_least(self, buffer, numel: int, make, dtype: torch.dtype, device: torch.device):
-        if buffer is not None and buffer.numel() >= numel:
-            return buffer
-        if buffer is not None:
-            self.outgrown.append(buffer)
-            numel = max(numel, 2 * buffer.numel())
-        return make(numel, device=device, dtype=dtype)
+
+def _at_least(buffer, numel: int, make, dtype: torch.dtype, device: torch.device):
+    """``buffer``, or a new one of at least ``numel`` and twice its size.  The
+    old one is freed: torch's allocator reuses its memory only for that
+    stream's allocations, which follow the launches queued there; the fast
+    path's closures may still hold views of it."""
+    if buffer is not None and buffer.numel() >= numel:
+        return buffer
+    if buffer is not None:
+        numel = max(numel, 2 * buffer.numel())
+    return make(numel, device=device, dtype=dtype)
 
 
 _BUFFERS: dict[tuple[int, int], _Buffers] = {}
@@ -115,20 +112,18 @@ def split_buffers(cfg: GemmConfig, split: SplitPlan, device: torch.device):
     on the current stream of ``device``.  An unsplit launch (S = 1) touches
     neither: it gets one 16-byte row and one counter.
 
-    While a CUDA graph is captured on that stream, a launch the stream's
-    buffers do not already hold gets buffers of its own, not kept: counters
+    While a CUDA graph is captured on that stream, the launch gets buffers
+    of its own, not kept: a graph may replay on any stream, beside the
+    capture stream's eager calls, which the kept buffers serve; and counters
     allocated in a capture are zeroed by a memset of the graph, which runs
-    only when that graph replays, and another graph or an eager call
-    sharing them could count on garbage before it does."""
+    only when that graph replays."""
     splits = split.splits
     width, tiles = (split.tiles * cfg.tile_m * cfg.tile_n, split.tiles) if splits > 1 else (4, 1)
+    if ti.capturing(device):
+        workspace = torch.empty(splits, width, device=device, dtype=torch.float32)
+        return workspace, torch.zeros(tiles, device=device, dtype=torch.int32)
     stream = torch.cuda.current_stream(device)
     with _LOCK:
         buffers = _BUFFERS.setdefault((device.index or 0, stream.cuda_stream), _Buffers())
-        if not buffers.holds(splits * width, tiles) and ti.capturing(device):
-            workspace = torch.empty(splits * width, device=device, dtype=torch.float32)
-            counters = torch.zeros(tiles, device=device, dtype=torch.int32)
-        else:
-            buffers.grow(splits * width, tiles, device)
-            workspace, counters = buffers.workspace, buffers.counters
-        return workspace[: splits * width].view(splits, width), counters[:tiles]
+        buffers.grow(splits * width, tiles, device)
+        return buffers.workspace[: splits * width].view(splits, width), buffers.counters[:tiles]
