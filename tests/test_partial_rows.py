@@ -40,7 +40,7 @@ def test_partial_rows_are_summed_into_each_gradient_in_its_dtype(monkeypatch, wi
     torch.testing.assert_close(alone, exact.float())
 
 
-def test_short_rows_take_the_gemv_and_long_rows_the_column_sum(monkeypatch):
+def test_short_rows_take_the_gemv_and_long_rows_or_autocast_the_column_sum(monkeypatch):
     taken = []
     real_mv, real_sum = torch.mv, torch.Tensor.sum
     monkeypatch.setattr(torch, "mv", lambda *a, **k: taken.append("gemv") or real_mv(*a, **k))
@@ -49,6 +49,10 @@ def test_short_rows_take_the_gemv_and_long_rows_the_column_sum(monkeypatch):
     for columns in (widest, widest + 8):
         partial_sums.sum_partial_rows(torch.ones(2, columns), [torch.empty(columns // 2), torch.empty(columns // 2)])
     assert taken == ["gemv", "sum"]
+    taken.clear()
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # (CUDA's autocast would run the GEMV in bf16)
+        partial_sums.sum_partial_rows(torch.ones(2, 8), [torch.empty(4), torch.empty(4)])
+    assert taken == ["sum"]
 
 
 def test_the_vector_of_ones_is_not_kept_from_a_capture(monkeypatch):

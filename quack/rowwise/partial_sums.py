@@ -41,7 +41,8 @@ def sum_partial_rows(partials: torch.Tensor, outs: list[torch.Tensor]) -> None:
     CPU-only torch cannot convert fake CUDA tensors."""
     if is_compile_only():
         return
-    gemv = partials.shape[1] <= GEMV_MAX_COLUMNS
+    # Under autocast a GEMV would run in 16 bits (torch lowers mv); the column sum stays fp32.
+    gemv = partials.shape[1] <= GEMV_MAX_COLUMNS and not torch.is_autocast_enabled(partials.device.type)
     if len(outs) == 1 and outs[0].dtype == torch.float32:
         if gemv:
             torch.mv(partials.t(), _ones(partials.shape[0], partials.device), out=outs[0])
