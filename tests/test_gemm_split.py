@@ -169,7 +169,10 @@ def test_fast_path_passes_the_split_buffers_in_the_kernels_order(monkeypatch, ro
 
     monkeypatch.setattr(gemm_op.fastpath, "direct", direct)
 
+    added = []
+
     def add_current(self):  # stream 7's buffers
+        added.append(True)
         self.dicts[0][7], self.dicts[1][7] = "workspace", "counters"
         return self.dicts
 
@@ -192,8 +195,9 @@ def test_fast_path_passes_the_split_buffers_in_the_kernels_order(monkeypatch, ro
     assert by_name["workspace"] == {7: "workspace"} and by_name["counters"] == {7: "counters"}
     assert by_name["max_clusters"] > 0 and by_name["bias"] is None
     assert run(a, b, None, None, 0) is not NotImplemented and len(calls) == 3  # kept: one launch
+    assert len(added) == 1
     capturing[0] = True  # a capture never launches with the kept buffers: add_current gives its own
-    assert run(a, b, None, None, 0) is not NotImplemented and len(calls) == 4
+    assert run(a, b, None, None, 0) is not NotImplemented and len(calls) == 4 and len(added) == 2
 
 
 def _operands(m, k, n, dtype=torch.bfloat16):

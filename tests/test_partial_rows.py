@@ -55,11 +55,23 @@ def test_short_rows_take_the_gemv_and_long_rows_or_autocast_the_column_sum(monke
     assert taken == ["sum"]
 
 
-def test_the_vector_of_ones_is_not_kept_from_a_capture(monkeypatch):
+def test_the_vector_of_ones_is_kept_per_stream_and_never_from_a_capture(monkeypatch):
     monkeypatch.setattr(partial_sums, "_ONES", {})
     monkeypatch.setattr(partial_sums.ti, "capturing", lambda device: True)
     assert partial_sums._ones(5, torch.device("cpu")).tolist() == [1.0] * 5
     assert partial_sums._ONES == {}
     monkeypatch.setattr(partial_sums.ti, "capturing", lambda device: False)
     kept = partial_sums._ones(5, torch.device("cpu"))
-    assert partial_sums._ones(5, torch.device("cpu")) is kept
+    assert partial_sums._ones(3, torch.device("cpu")).data_ptr() == kept.data_ptr()  # a view of the kept one
+    assert partial_sums._ones(8, torch.device("cpu")).tolist() == [1.0] * 8  # grown
+    assert len(partial_sums._ONES) == 1
+    # On a GPU, one per stream: a stream must not read ones whose fill is queued on another.
+    stream = [1]
+    monkeypatch.setattr(partial_sums.ti, "current_stream", lambda device: stream[0])
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(partial_sums.torch, "ones", lambda rows, device, dtype: torch.full((rows,), 1.0 + stream[0]))
+    first = partial_sums._ones(4, cuda)
+    stream[0] = 2
+    second = partial_sums._ones(4, cuda)
+    assert first.tolist() == [2.0] * 4 and second.tolist() == [3.0] * 4  # (made per stream)
+    assert set(partial_sums._ONES) >= {(cuda, 1), (cuda, 2)}

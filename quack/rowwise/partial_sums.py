@@ -59,11 +59,15 @@ _ONES: dict[tuple[torch.device, int], torch.Tensor] = {}
 
 
 def _ones(rows: int, device: torch.device) -> torch.Tensor:
-    """A (rows,) fp32 vector of ones, kept per device and length outside a
-    CUDA graph's capture (a captured one lives in the graph's memory pool)."""
-    ones = _ONES.get((device, rows))
-    if ones is None:
+    """A (rows,) fp32 vector of ones: a view of one kept per device and
+    stream, grown to the most rows seen.  Per stream, since its fill is
+    queued on the stream that made it, and another stream could read it
+    before that fill has run.  Outside a CUDA graph's capture only (a
+    captured one lives in the graph's memory pool)."""
+    key = (device, ti.current_stream(device) if device.type == "cuda" else 0)
+    ones = _ONES.get(key)
+    if ones is None or ones.shape[0] < rows:
         ones = torch.ones(rows, device=device, dtype=torch.float32)
         if not ti.capturing(device):
-            _ONES[(device, rows)] = ones
-    return ones
+            _ONES[key] = ones
+    return ones[:rows]
