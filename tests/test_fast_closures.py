@@ -61,7 +61,9 @@ def test_layernorm_closure(recorded):
 def test_cross_entropy_closure(monkeypatch):
     """The reducing forward's scratch (row losses, counter) goes to the
     launcher as dicts by stream; a stream without scratch yet is declined,
-    and the closure adds the stream's and launches again."""
+    and the closure adds the stream's and launches again.  Under a capture
+    the launcher declines the dicts (as the C launcher does), and the
+    closure launches with scratch of the capture's own."""
     cross_entropy = importlib.import_module("quack.families.cross_entropy.op")
     counter, rows = torch.zeros(1, dtype=torch.int32), torch.empty(4)
     calls, directs = [], []
@@ -71,14 +73,17 @@ def test_cross_entropy_closure(monkeypatch):
 
         def launch(*a):
             calls.append(a)
-            return NotImplemented if len(calls) == 1 else None  # the first call: no scratch yet
+            if len(calls) == 1 or (capturing[0] and isinstance(a[2], dict)):  # no scratch yet; a capture
+                return NotImplemented
+            return None
         return launch
 
-    monkeypatch.setattr(fastpath, "direct", direct)
-    monkeypatch.setattr(cross_entropy, "reduction_scratch", lambda device, m: (counter, rows))
-    monkeypatch.setattr(ti, "current_stream", lambda device: 5)
     capturing = [False]
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    own_counter, own_rows = torch.zeros(1, dtype=torch.int32), torch.empty(4)
+    monkeypatch.setattr(fastpath, "direct", direct)
+    monkeypatch.setattr(cross_entropy, "reduction_scratch",
+                        lambda device, m: (own_counter, own_rows) if capturing[0] else (counter, rows))
+    monkeypatch.setattr(ti, "current_stream", lambda device: 5)
     monkeypatch.setattr(ti, "capturing", lambda device: capturing[0])
     logits, target = torch.randn(4, 8), torch.zeros(4, dtype=torch.int64)
     plan = cross_entropy.plan_for(cross_entropy.CrossEntropyCall("float32", "int64", 8, 4, "mean", False))
@@ -91,7 +96,10 @@ def test_cross_entropy_closure(monkeypatch):
     assert len(calls) == 3 and calls[2][2] == {5: rows}  # kept: one launch
     capturing[0] = True  # a capture never launches with the kept scratch: it gets its own
     run(logits, target, -100, 0)
-    assert len(calls) == 4 and calls[3][2] == {5: rows} and calls[3][2] is not calls[2][2]
+    assert len(calls) == 5 and calls[4][2] is own_rows and calls[4][6] is own_counter
+    capturing[0] = False  # the stream's eager calls keep theirs
+    run(logits, target, -100, 0)
+    assert len(calls) == 6 and calls[5][2] == {5: rows} and calls[5][6] == {5: counter}
 
 
 def test_cross_entropy_scratch_grows_per_stream_and_keeps_views_valid(monkeypatch):

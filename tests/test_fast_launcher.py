@@ -442,7 +442,7 @@ def test_describe_refuses_what_it_cannot_key(described):
     assert described.describe(False, x, 2**70) is None
 
 
-def _direct(fastlaunch, entry_address, rows, get_context=0, context=0, device=-1, per_stream=()):
+def _direct(fastlaunch, entry_address, rows, get_context=0, context=0, device=-1, per_stream=(), capturing=0):
     header_abi = [["tensor", "int32_t", 1, "int64_t", 1], ["tensor", "int32_t", 1, "int64_t", 1], ["scalar", "float"]]
     present = [True, True, True]
     placed, starts, words = layout(header_abi, present)
@@ -455,7 +455,7 @@ def _direct(fastlaunch, entry_address, rows, get_context=0, context=0, device=-1
             fields.append((i, "K", "", 0, 0))
         fields.append((i, "S" if i in rows and w == "s" else "T" if i in rows and w == "t" else w, c, dim, off))
     c = fastlaunch.Launcher(entry_address, packed, buf, None, 3, fields, torch.Tensor.__dlpack_c_exchange_api__,
-                            torch.Tensor, get_context, context, 0, 0, device)
+                            torch.Tensor, get_context, context, 0, 0, device, capturing)
     return c, buf
 
 
@@ -474,7 +474,8 @@ def test_direct_launcher_reads_contiguous_tensors_as_rows(fastlaunch):
 def test_direct_launcher_reads_a_per_stream_argument_by_the_current_stream(fastlaunch):
     """A per-stream argument is a dict from stream handles to tensors: the
     launcher passes the current stream's (a CPU tensor's stream is handle 0
-    here), declines a stream without one, and refuses anything but a dict."""
+    here), declines a stream without one, takes a tensor as it is, and
+    refuses anything else."""
     recorder = _Recorder()
     c, buf = _direct(fastlaunch, recorder.address, rows=set(), per_stream={1})
     x, mine, other = torch.zeros(4, 8), torch.zeros(3, 5), torch.zeros(2, 2)
@@ -483,10 +484,44 @@ def test_direct_launcher_reads_a_per_stream_argument_by_the_current_stream(fastl
     assert words[3] == mine.data_ptr() and ctypes.c_int32(words[4]).value == 3 and words[5] == 5
     assert c(x, {12345: other}, 1.0) is NotImplemented and c(x, {}, 1.0) is NotImplemented
     assert len(recorder.firsts) == 1  # the declined calls launched nothing
+    assert c(x, other, 1.0) is None
+    words = buf.tolist()
+    assert words[3] == other.data_ptr() and ctypes.c_int32(words[4]).value == 2 and words[5] == 2
     with pytest.raises(TypeError, match="dict"):
-        c(x, mine, 1.0)
+        c(x, [mine], 1.0)
     with pytest.raises(TypeError, match="torch.Tensor"):
         c(x, {0: "not a tensor"}, 1.0)
+
+
+CAPTURE_STATUS = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.POINTER(ctypes.c_int))
+
+
+def test_direct_launcher_declines_a_per_stream_dict_while_its_stream_is_captured(fastlaunch):
+    """Kept per-stream buffers never enter a CUDA graph: the launcher asks the
+    driver (cuStreamIsCapturing) about the current stream and declines a dict
+    while it captures, or where the driver cannot tell; a capture's own
+    tensors, passed as they are, launch."""
+    driver = {"status": 0, "error": 0, "asked": []}
+
+    def is_capturing(stream, status):
+        driver["asked"].append(stream or 0)
+        status[0] = driver["status"]
+        return driver["error"]
+
+    getter = CAPTURE_STATUS(is_capturing)
+    recorder = _Recorder()
+    c, buf = _direct(fastlaunch, recorder.address, rows=set(), per_stream={1},
+                     capturing=ctypes.cast(getter, ctypes.c_void_p).value)
+    x, kept, own = torch.zeros(4, 8), torch.zeros(3, 5), torch.zeros(2, 2)
+    assert c(x, {0: kept}, 1.0) is None and driver["asked"] == [0]  # asked about the current stream
+    driver["status"] = 1  # CU_STREAM_CAPTURE_STATUS_ACTIVE
+    assert c(x, {0: kept}, 1.0) is NotImplemented
+    driver["status"], driver["error"] = 0, 900  # CUDA_ERROR_STREAM_CAPTURE_IMPLICIT
+    assert c(x, {0: kept}, 1.0) is NotImplemented
+    assert len(recorder.firsts) == 1  # the declined calls launched nothing
+    driver["status"], driver["error"], asked = 1, 0, len(driver["asked"])
+    assert c(x, own, 1.0) is None and len(driver["asked"]) == asked  # a tensor needs no question
+    assert buf.tolist()[3] == own.data_ptr() and len(recorder.firsts) == 2
 
 
 CONTEXT_GETTER = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(ctypes.c_void_p))

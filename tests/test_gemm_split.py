@@ -145,8 +145,8 @@ def test_a_graph_capture_gets_buffers_of_its_own(monkeypatch):
     own, own_counters = split.split_buffers(cfg, split.SplitPlan(tiles=2, splits=3), cpu)
     assert own.data_ptr() != eager[0].data_ptr() and own_counters.data_ptr() != eager[1].data_ptr()
     assert own.shape == (3, 2 * cfg.tile_m * cfg.tile_n) and not own_counters.any()
-    (first, _), (second, _) = buffers.add_current(), buffers.add_current()  # fresh each call, kept nowhere
-    assert len({first[1].data_ptr(), second[1].data_ptr(), eager[0].data_ptr()}) == 3
+    (first, _), (second, _) = buffers.add_current(), buffers.add_current()  # tensors, fresh each call, kept nowhere
+    assert len({first.data_ptr(), second.data_ptr(), eager[0].data_ptr()}) == 3
     assert buffers.dicts == ({1: eager[0]}, {1: eager[1]})
 
 
@@ -155,30 +155,34 @@ def test_fast_path_passes_the_split_buffers_in_the_kernels_order(monkeypatch, ro
     """The split classes' closure hands its launcher the streams' buffers
     where the kernel declares them, as dicts the launcher reads by the
     current stream; a stream without buffers yet is declined, and the
-    closure adds them and launches again; a capture launches once, with
-    add_current's (a recording launcher; the GPU tests launch)."""
+    closure adds them and launches again; under a capture the launcher
+    declines the dicts (as the C launcher does) and the closure launches
+    with add_current's own (a recording launcher; the GPU tests launch)."""
     calls, directs = [], []
+    capturing = [False]
 
     def direct(plan, role, device, rows=None, per_stream=frozenset()):
         directs.append(per_stream)
 
         def launch(*a):
             calls.append(a)
-            return NotImplemented if len(calls) == 1 else None  # the first call: no buffers yet
+            if len(calls) == 1 or (capturing[0] and any(isinstance(x, dict) for x in a)):  # no buffers; a capture
+                return NotImplemented
+            return None
         return launch
 
     monkeypatch.setattr(gemm_op.fastpath, "direct", direct)
 
     added = []
 
-    def add_current(self):  # stream 7's buffers
+    def add_current(self):  # stream 7's buffers, or a capture's own
         added.append(True)
+        if capturing[0]:
+            return "own workspace", "own counters"
         self.dicts[0][7], self.dicts[1][7] = "workspace", "counters"
         return self.dicts
 
     monkeypatch.setattr(gemm_op.fastpath.PerStream, "add_current", add_current)
-    capturing = [False]
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
     a, b = torch.randn(rows, 4096), torch.randn(4096, 4096)
     ops, _ = gemm_op.call_operands(a, b, a.dtype, None, None, None, None, False)
     plan = plan_for(gemm_op.signature_of(ops))
@@ -197,7 +201,9 @@ def test_fast_path_passes_the_split_buffers_in_the_kernels_order(monkeypatch, ro
     assert run(a, b, None, None, 0) is not NotImplemented and len(calls) == 3  # kept: one launch
     assert len(added) == 1
     capturing[0] = True  # a capture never launches with the kept buffers: add_current gives its own
-    assert run(a, b, None, None, 0) is not NotImplemented and len(calls) == 4 and len(added) == 2
+    assert run(a, b, None, None, 0) is not NotImplemented and len(calls) == 5 and len(added) == 2
+    by_name = dict(zip(names, calls[4]))
+    assert by_name["workspace"] == "own workspace" and by_name["counters"] == "own counters"
 
 
 def _operands(m, k, n, dtype=torch.bfloat16):

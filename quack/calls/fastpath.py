@@ -198,21 +198,22 @@ class PerStream:
     share with a launch on another stream): one dict per argument, from
     stream handle to tensor, which the C launcher reads itself by the
     current stream (``direct``'s ``per_stream``), so a repeated call costs
-    no Python lookup.  A stream without an entry is declined; the closure
-    then calls ``add_current`` and launches again."""
+    no Python lookup.  The launcher declines a stream without an entry, and
+    one a CUDA graph is capturing; the closure then calls ``add_current``
+    and launches again."""
 
     def __init__(self, make: Callable[[], tuple], device: torch.device, count: int):
         self._make, self._device = make, device
         self.dicts = tuple({} for _ in range(count))
 
-    def add_current(self) -> tuple[dict, ...]:
-        """The dicts to launch with on the current stream, which hold its
-        tensors (``make()``'s): the kept ones, or, while a CUDA graph is
-        captured, this launch's own (a capture's tensors are never kept)."""
-        stream = ti.current_stream(self._device)
+    def add_current(self) -> tuple:
+        """What to launch with on the current stream: the dicts, now holding
+        its tensors (``make()``'s), or, while a CUDA graph is captured, this
+        launch's own tensors (a capture's are never kept)."""
         made = self._make()
         if ti.capturing(self._device):
-            return tuple({stream: tensor} for tensor in made)
+            return made
+        stream = ti.current_stream(self._device)
         for kept, tensor in zip(self.dicts, made):
             kept[stream] = tensor
         return self.dicts

@@ -54,8 +54,9 @@ typedef struct {
  * on the device of the call's first tensor.  PER_STREAM writes nothing: it
  * says the argument is a dict from stream handles (ints) to the tensor its
  * later fields read, the entry of that current stream (a call on a stream
- * without one is declined), so a kernel's per-stream buffers (split K's
- * workspace) cost no Python lookup. */
+ * without one, or on a stream a CUDA graph is capturing, is declined), so a
+ * kernel's per-stream buffers (split K's workspace) cost no Python lookup;
+ * or a tensor, read as it is (a capture's own buffers). */
 enum what {
     DATA = 'd', SIZE = 's', STRIDE = 't', VALUE = 'v', STREAM = 'q',
     ROWS = 'S', ROW_STRIDE = 'T', CURRENT_STREAM = 'Q', PER_STREAM = 'K'
@@ -95,6 +96,9 @@ typedef struct {
      * launch from another current context returns NotImplemented). */
     int (*get_context)(void **);
     void *context;
+    /* Where set: the driver's cuStreamIsCapturing, asked before a
+     * PER_STREAM dict is read (kept buffers never enter a graph). */
+    int (*stream_capturing)(void *stream, int *status);
     /* Where >= 0: every tensor must be on this CUDA device, or the call is
      * declined (NotImplemented, nothing launched). */
     int32_t device;
@@ -148,18 +152,31 @@ static int current_stream(Launcher *self, DLDevice first, void **out) {
     return 0;
 }
 
-/* The PER_STREAM argument's entry for the current stream, a new reference
- * kept in held[arg] (0: none, the call is declined; -1: an error). */
-static int stream_entry(Launcher *self, PyObject *dict, DLDevice first, int32_t arg, PyObject **held) {
+/* The PER_STREAM argument's tensor, a new reference kept in held[arg]: the
+ * argument itself where it is a tensor, else its dict's entry for the
+ * current stream (0: none, or the stream is capturing a graph, or the driver
+ * cannot tell: the call is declined; -1: an error). */
+static int stream_entry(Launcher *self, PyObject *given, DLDevice first, int32_t arg, PyObject **held) {
     void *stream;
-    if (!PyDict_Check(dict)) {
-        PyErr_Format(PyExc_TypeError, "quack launcher: argument %d must be a dict of the streams' tensors", arg);
+    if (PyObject_TypeCheck(given, (PyTypeObject *)self->tensor_type)) {
+        Py_INCREF(given);
+        Py_XDECREF(held[arg]);
+        held[arg] = given;
+        return 1;
+    }
+    if (!PyDict_Check(given)) {
+        PyErr_Format(PyExc_TypeError, "quack launcher: argument %d must be a tensor or a dict of the streams' tensors",
+                     arg);
         return -1;
     }
     if (current_stream(self, first, &stream) < 0) return -1;
+    if (self->stream_capturing != NULL) {
+        int status = 0;
+        if (self->stream_capturing(stream, &status) != 0 || status != 0) return 0;
+    }
     PyObject *key = PyLong_FromVoidPtr(stream);
     if (key == NULL) return -1;
-    PyObject *entry = PyObject_GetItem(dict, key);
+    PyObject *entry = PyObject_GetItem(given, key);
     Py_DECREF(key);
     if (entry == NULL) {
         if (!PyErr_ExceptionMatches(PyExc_KeyError)) return -1;
@@ -403,7 +420,7 @@ static void release_views(Launcher *self) {
 }
 
 /* Launcher(entry, packed, buffer, result, nargs, fields, api, tensor_type[, get_context, context, run, count,
- *          device])
+ *          device, stream_capturing])
  * entry: the entry point's address; packed, buffer and result (or None):
  * writable buffers (a ctypes array, an array.array, a ctypes c_int32), held
  * for the launcher's life; fields: a sequence of (arg, what, ctype, dim,
@@ -413,9 +430,11 @@ static void release_views(Launcher *self) {
  * entry point's module was loaded in (0, 0: no check); run: the address of
  * CuteDSLRT_Function_Run, with entry its function handle and count the
  * pointer array's length (0: entry is a plain entry point); device: the CUDA
- * device every tensor must be on (-1: any). */
+ * device every tensor must be on (-1: any); stream_capturing: the address of
+ * the driver's cuStreamIsCapturing (0: PER_STREAM dicts are read under a
+ * capture too). */
 static PyObject *launcher_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
-    unsigned long long entry, get_context = 0, context = 0, run = 0;
+    unsigned long long entry, get_context = 0, context = 0, run = 0, stream_capturing = 0;
     Py_ssize_t count = 0;
     int device = -1;
     Py_ssize_t nargs;
@@ -424,8 +443,8 @@ static PyObject *launcher_new(PyTypeObject *type, PyObject *args, PyObject *kwar
         PyErr_SetString(PyExc_TypeError, "quack launcher: arguments are positional");
         return NULL;
     }
-    if (!PyArg_ParseTuple(args, "KOOOnOOO|KKKni", &entry, &packed, &buffer, &result, &nargs, &fields, &capsule,
-                          &tensor_type, &get_context, &context, &run, &count, &device))
+    if (!PyArg_ParseTuple(args, "KOOOnOOO|KKKniK", &entry, &packed, &buffer, &result, &nargs, &fields, &capsule,
+                          &tensor_type, &get_context, &context, &run, &count, &device, &stream_capturing))
         return NULL;
     if (!entry) {
         PyErr_SetString(PyExc_ValueError, "quack launcher: the entry point's address is 0");
@@ -472,6 +491,7 @@ static PyObject *launcher_new(PyTypeObject *type, PyObject *args, PyObject *kwar
     self->count = (size_t)count;
     self->get_context = (int (*)(void **))(uintptr_t)get_context;
     self->context = (void *)(uintptr_t)context;
+    self->stream_capturing = (int (*)(void *, int *))(uintptr_t)stream_capturing;
     Py_INCREF(tensor_type);
     self->tensor_type = tensor_type;
     self->nargs = nargs;

@@ -281,8 +281,9 @@ class FastLauncher:
         differences: each argument in ``rows`` is a contiguous (..., N)
         tensor read as the (M, N) rows the kernel declares (no view needed);
         each argument in ``per_stream`` is a dict from stream handles to the
-        tensor to pass on that stream (a call on a stream without an entry
-        is declined); and the stream is torch's current stream on the first
+        tensor to pass on that stream (a call on a stream without an entry,
+        or on one a CUDA graph is capturing, is declined) or a tensor to
+        pass as it is; and the stream is torch's current stream on the first
         tensor's device (pass None).  It returns NotImplemented, launching
         nothing, when the current CUDA context is not the one its module was
         loaded in (another device is current: the caller takes the guarded
@@ -309,7 +310,7 @@ class FastLauncher:
         entry, run, count = self._entry
         context, device = (self._context, self._device) if checked else ((0, 0), -1)
         return module.Launcher(entry, self._packed, self._buf, self._result, self._nargs, fields, api, tensor,
-                               *context, run, count, device)
+                               *context, run, count, device, _driver_address("cuStreamIsCapturing"))
 
     def bare(self, calls: int) -> float | None:
         """Seconds for ``calls`` calls of the entry point from C with the last
@@ -387,11 +388,26 @@ class FastLauncher:
 
 
 @functools.lru_cache(maxsize=None)
+def _driver_function(name: str) -> Any:
+    """The CUDA driver's function ``name`` (None where there is no driver)."""
+    try:
+        return getattr(ctypes.CDLL("libcuda.so.1"), name)
+    except (OSError, AttributeError):
+        return None
+
+
+def _driver_address(name: str) -> int:
+    """The address of the driver's function ``name``, which the C launcher
+    calls (0 where there is no driver)."""
+    function = _driver_function(name)
+    return 0 if function is None else ctypes.cast(function, ctypes.c_void_p).value
+
+
+@functools.lru_cache(maxsize=None)
 def _context_getter() -> Any:
     """The driver's ``cuCtxGetCurrent`` (None where there is no driver)."""
-    try:
-        getter = ctypes.CDLL("libcuda.so.1").cuCtxGetCurrent
-    except (OSError, AttributeError):
+    getter = _driver_function("cuCtxGetCurrent")
+    if getter is None:
         return None
     getter.argtypes = [ctypes.POINTER(ctypes.c_void_p)]
     getter.restype = ctypes.c_int

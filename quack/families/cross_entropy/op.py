@@ -441,16 +441,14 @@ def _inference_closure(plan: Plan, logits: torch.Tensor, target: torch.Tensor):
     rest = fastpath.trailing_arguments(plan, "forward", leading)
     scratch = fastpath.PerStream(lambda: reduction_scratch(device, m)[::-1], device, 2)
     row_losses, counters = scratch.dicts
-    capturing = torch.cuda.is_current_stream_capturing
 
     def run(logits, target, ignore_index, _reduction):  # the key fixed the reduction
         out = empty((), device=device, dtype=dtype)
         t = target if flat_target else target.reshape(-1).contiguous()
-        # A capture gets scratch of its own (add_current: reduction_scratch's),
-        # never a stream's kept scratch, which eager calls keep using.
-        done = NotImplemented if capturing() else launch(
-            logits, t, row_losses, None, out, None, counters, ignore_index, *rest)
-        if done is NotImplemented:  # no scratch for this stream yet, a capture (or another device: declined again)
+        done = launch(logits, t, row_losses, None, out, None, counters, ignore_index, *rest)
+        # No scratch for this stream yet, or a capture, which gets scratch of
+        # its own (or another device: declined again).
+        if done is NotImplemented:
             rows, count = scratch.add_current()
             done = launch(logits, t, rows, None, out, None, count, ignore_index, *rest)
         return out if done is None else NotImplemented

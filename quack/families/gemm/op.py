@@ -144,15 +144,14 @@ def _dense_closure(plan: Plan, role: str, ops, out: torch.Tensor):
         buffers = fastpath.PerStream(lambda: split_buffers(cfg, split, device), device, 2)
         before, after = rest[:workspace_at - 3], rest[workspace_at - 1:]  # (rest follows a, b and d)
         workspaces, counters = buffers.dicts
-        capturing = torch.cuda.is_current_stream_capturing
 
         def run_split(A, B, _cu_m, _cu_k, _out_dtype_code):  # the key fixed these
             out = empty(out_shape, device=device, dtype=out_dtype)
             b = B.as_strided(b_shape, b_strides)
-            # A capture gets buffers of its own (add_current: split_buffers'),
-            # never a stream's kept ones, which eager calls keep using.
-            done = NotImplemented if capturing() else launch(A, b, out, *before, workspaces, counters, *after)
-            if done is NotImplemented:  # no buffers for this stream yet, a capture (or another device: declined again)
+            done = launch(A, b, out, *before, workspaces, counters, *after)
+            # No buffers for this stream yet, or a capture, which gets buffers
+            # of its own (or another device: declined again).
+            if done is NotImplemented:
                 done = launch(A, b, out, *before, *buffers.add_current(), *after)
             return out if done is None else NotImplemented
 
