@@ -55,8 +55,9 @@ def per_call_us(fn, calls: int) -> float:
     return elapsed / (max(1, calls // BATCH) * BATCH) * 1e6
 
 
-def op_pairs():
-    """(label, quack call, torch call) at decode-sized shapes, where the launch is most of the cost."""
+def op_pairs(gemm_k: int = 4096):
+    """(label, quack call, torch call) at decode-sized shapes, where the launch
+    is most of the cost (the GEMM's K picks its object: a split K at 4096)."""
     import torch
     import torch.nn.functional as F
 
@@ -68,14 +69,14 @@ def op_pairs():
     x1, w = randn(1, 4096), randn(4096)
     x8, b = randn(8, 4096), randn(4096)
     target = torch.randint(0, 4096, (8,), device="cuda")
-    a, bm = randn(16, 4096), randn(4096, 4096)
+    a, bm = randn(16, gemm_k), randn(gemm_k, 4096)
     return [
         ("rmsnorm (1, 4096), bf16 weight", lambda: quack.rmsnorm(x1, w), lambda: F.rms_norm(x1, (4096,), w)),
         ("softmax (8, 4096)", lambda: quack.softmax(x8), lambda: torch.softmax(x8, -1)),
         ("layernorm (8, 4096)", lambda: quack.layernorm(x8, w, b), lambda: F.layer_norm(x8, (4096,), w, b)),
         ("cross_entropy (8, 4096), mean", lambda: quack.cross_entropy(x8, target),
          lambda: F.cross_entropy(x8, target)),
-        ("gemm (16, 4096) x (4096, 4096)", lambda: quack.gemm(a, bm), lambda: torch.matmul(a, bm)),
+        (f"gemm (16, {gemm_k}) x ({gemm_k}, 4096)", lambda: quack.gemm(a, bm), lambda: torch.matmul(a, bm)),
     ]
 
 
