@@ -99,7 +99,7 @@ def test_cross_entropy_closure(monkeypatch):
     assert len(calls) == 5 and calls[4][2] is own_rows and calls[4][6] is own_counter
     capturing[0] = False  # the stream's eager calls keep theirs
     run(logits, target, -100, 0)
-    assert len(calls) == 6 and calls[5][2] == {5: rows} and calls[5][6] == {5: counter}
+    assert len(calls) == 6 and calls[5][2] is calls[1][2] and calls[5][2][5] is rows and calls[5][6][5] is counter
 
 
 def test_cross_entropy_scratch_grows_per_stream_and_keeps_views_valid(monkeypatch):

@@ -442,7 +442,8 @@ def test_describe_refuses_what_it_cannot_key(described):
     assert described.describe(False, x, 2**70) is None
 
 
-def _direct(fastlaunch, entry_address, rows, get_context=0, context=0, device=-1, per_stream=(), capturing=0):
+def _direct(fastlaunch, entry_address, rows, get_context=0, context=0, device=-1, per_stream=(), capturing=0,
+            api=None):
     header_abi = [["tensor", "int32_t", 1, "int64_t", 1], ["tensor", "int32_t", 1, "int64_t", 1], ["scalar", "float"]]
     present = [True, True, True]
     placed, starts, words = layout(header_abi, present)
@@ -454,8 +455,9 @@ def _direct(fastlaunch, entry_address, rows, get_context=0, context=0, device=-1
         if i in per_stream and w == "d":
             fields.append((i, "K", "", 0, 0))
         fields.append((i, "S" if i in rows and w == "s" else "T" if i in rows and w == "t" else w, c, dim, off))
-    c = fastlaunch.Launcher(entry_address, packed, buf, None, 3, fields, torch.Tensor.__dlpack_c_exchange_api__,
-                            torch.Tensor, get_context, context, 0, 0, device, capturing)
+    api = torch.Tensor.__dlpack_c_exchange_api__ if api is None else api
+    c = fastlaunch.Launcher(entry_address, packed, buf, None, 3, fields, api, torch.Tensor, get_context, context, 0, 0,
+                            device, capturing)
     return c, buf
 
 
@@ -576,6 +578,70 @@ def test_fast_launcher_direct_only_after_its_first_call(fastlaunch, monkeypatch)
 def _set(out, value):
     out[0] = value
     return 0
+
+
+def test_per_stream_direct_launchers_ask_the_driver_about_captures(fastlaunch, monkeypatch):
+    """A direct launcher with per-stream arguments gets the driver's
+    cuStreamIsCapturing (its address, the constructor's last argument); where
+    the driver has none, there is no such launcher (the full path decides
+    each call), while one without per-stream arguments needs none."""
+    _use_module(monkeypatch, fastlaunch)
+    getter = CONTEXT_GETTER(lambda out: _set(out, 0x1000))
+    monkeypatch.setattr(launcher, "current_context", lambda: (ctypes.cast(getter, ctypes.c_void_p).value, 0x1000))
+    capturing = CAPTURE_STATUS(lambda stream, status: _set(status, 0))
+    address = ctypes.cast(capturing, ctypes.c_void_p).value
+    monkeypatch.setattr(launcher, "_driver_address", lambda name: address if name == "cuStreamIsCapturing" else 0)
+    made = []
+
+    class Recording:
+        def Launcher(*args):  # noqa: N805 (called on the class)
+            made.append(args)
+            return fastlaunch.Launcher(*args)
+
+    _, api, tensor_type = launcher._c_module()
+    monkeypatch.setattr(launcher, "_c_module", lambda: (Recording, api, tensor_type))
+    recorder = _Recorder()
+    abi = [["tensor", "int32_t", 1, "int64_t", 1], ["tensor", "int32_t", 1, "int64_t", 1], ["stream"]]
+    fast = FastLauncher(_DslFunction(recorder.entry), abi)
+    fast(torch.zeros(4, 8), torch.zeros(2, 2), 0)
+    assert fast.direct(frozenset(), frozenset({1})) is not None and made[-1][-1] == address
+    monkeypatch.setattr(launcher, "_driver_address", lambda name: 0)
+    assert fast.direct(frozenset(), frozenset({1})) is None
+    assert fast.direct(frozenset({0})) is not None
+
+
+class _ExchangeTable(ctypes.Structure):
+    """DLPack 1.x's exchange table (``__dlpack_c_exchange_api__``), as far as the C launcher reads it."""
+    _fields_ = [("major", ctypes.c_uint32), ("minor", ctypes.c_uint32), ("prev_api", ctypes.c_void_p),
+                ("allocator", ctypes.c_void_p), ("from_py_no_sync", ctypes.c_void_p),
+                ("to_py_no_sync", ctypes.c_void_p), ("dltensor_from_py_no_sync", ctypes.c_void_p),
+                ("current_work_stream", ctypes.c_void_p)]
+
+
+WORK_STREAM = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int32, ctypes.c_int32, ctypes.POINTER(ctypes.c_void_p))
+
+
+def test_the_capture_question_is_about_the_current_stream(fastlaunch):
+    """The driver is asked about torch's current stream on the tensors'
+    device (here a table whose current stream is 0x5000), the stream the
+    dict is read by."""
+    get_pointer = ctypes.pythonapi.PyCapsule_GetPointer
+    get_pointer.restype, get_pointer.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
+    table = _ExchangeTable.from_buffer_copy(ctypes.string_at(
+        get_pointer(torch.Tensor.__dlpack_c_exchange_api__, b"dlpack_exchange_api"), ctypes.sizeof(_ExchangeTable)))
+    current = WORK_STREAM(lambda device_type, device_id, out: _set(out, 0x5000))
+    table.current_work_stream = ctypes.cast(current, ctypes.c_void_p).value
+    new_capsule = ctypes.pythonapi.PyCapsule_New
+    new_capsule.restype, new_capsule.argtypes = ctypes.py_object, [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
+    capsule = new_capsule(ctypes.addressof(table), b"dlpack_exchange_api", None)
+    asked = []
+    capturing = CAPTURE_STATUS(lambda stream, status: (asked.append(stream), _set(status, 0))[1])
+    c, buf = _direct(fastlaunch, _Recorder().address, rows=set(), per_stream={1},
+                     capturing=ctypes.cast(capturing, ctypes.c_void_p).value, api=capsule)
+    x, mine = torch.zeros(4, 8), torch.zeros(3, 5)
+    assert c(x, {0x5000: mine}, 1.0) is None and asked == [0x5000]
+    assert buf.tolist()[3] == mine.data_ptr()
+    assert c(x, {0: mine}, 1.0) is NotImplemented  # another stream's entry is not this one's
 
 
 def test_closures_are_kept_per_op_and_description_and_bounded(fastlaunch, monkeypatch):

@@ -288,9 +288,12 @@ class FastLauncher:
         nothing, when the current CUDA context is not the one its module was
         loaded in (another device is current: the caller takes the guarded
         path).  None too where the first call found no context to check
-        against."""
+        against, or, for ``per_stream`` arguments, where the driver cannot
+        say whether the stream is capturing a graph."""
         if self._c is None or not self._context[1]:
             return None
+        if per_stream and not _driver_address("cuStreamIsCapturing"):
+            return None  # kept buffers could enter a graph: the full path decides per call
         fields = []
         for index, what, ctype, dim, offset in c_fields(self._placed):
             if index in per_stream and what == "d":
