@@ -442,11 +442,13 @@ def test_describe_refuses_what_it_cannot_key(described):
     assert described.describe(False, x, 2**70) is None
 
 
+TENSOR_ABI = ["tensor", "int32_t", 1, "int64_t", 1]
+
+
 def _direct(fastlaunch, entry_address, rows, get_context=0, context=0, device=-1, per_stream=(), capturing=0,
-            api=None):
-    header_abi = [["tensor", "int32_t", 1, "int64_t", 1], ["tensor", "int32_t", 1, "int64_t", 1], ["scalar", "float"]]
-    present = [True, True, True]
-    placed, starts, words = layout(header_abi, present)
+            api=None, header_abi=(TENSOR_ABI, TENSOR_ABI, ["scalar", "float"])):
+    present = [True] * len(header_abi)
+    placed, starts, words = layout(list(header_abi), present)
     buf = array.array("q", [0] * words)
     base = buf.buffer_info()[0]
     packed = (ctypes.c_void_p * len(starts))(*[base + 8 * s for s in starts])
@@ -456,8 +458,8 @@ def _direct(fastlaunch, entry_address, rows, get_context=0, context=0, device=-1
             fields.append((i, "K", "", 0, 0))
         fields.append((i, "S" if i in rows and w == "s" else "T" if i in rows and w == "t" else w, c, dim, off))
     api = torch.Tensor.__dlpack_c_exchange_api__ if api is None else api
-    c = fastlaunch.Launcher(entry_address, packed, buf, None, 3, fields, api, torch.Tensor, get_context, context, 0, 0,
-                            device, capturing)
+    c = fastlaunch.Launcher(entry_address, packed, buf, None, len(header_abi), fields, api, torch.Tensor, get_context,
+                            context, 0, 0, device, capturing)
     return c, buf
 
 
@@ -642,6 +644,14 @@ def test_the_capture_question_is_about_the_current_stream(fastlaunch):
     assert c(x, {0x5000: mine}, 1.0) is None and asked == [0x5000]
     assert buf.tolist()[3] == mine.data_ptr()
     assert c(x, {0: mine}, 1.0) is NotImplemented  # another stream's entry is not this one's
+    # Two per-stream arguments (split K's workspace and counters): one question per call.
+    two, buf = _direct(fastlaunch, _Recorder().address, rows=set(), per_stream={1, 2},
+                       capturing=ctypes.cast(capturing, ctypes.c_void_p).value, api=capsule,
+                       header_abi=(TENSOR_ABI, TENSOR_ABI, TENSOR_ABI))
+    asked.clear()
+    counters = torch.zeros(7)
+    assert two(x, {0x5000: mine}, {0x5000: counters}) is None and asked == [0x5000]
+    assert buf.tolist()[3] == mine.data_ptr() and buf.tolist()[6] == counters.data_ptr()
 
 
 def test_closures_are_kept_per_op_and_description_and_bounded(fastlaunch, monkeypatch):

@@ -155,9 +155,16 @@ static int current_stream(Launcher *self, DLDevice first, void **out) {
 /* The PER_STREAM argument's tensor, a new reference kept in held[arg]: the
  * argument itself where it is a tensor, else its dict's entry for the
  * current stream (0: none, or the stream is capturing a graph, or the driver
- * cannot tell: the call is declined; -1: an error). */
-static int stream_entry(Launcher *self, PyObject *given, DLDevice first, int32_t arg, PyObject **held) {
-    void *stream;
+ * cannot tell: the call is declined; -1: an error).  The first dict of a
+ * call asks torch and the driver about the current stream; the others reuse
+ * the answer, kept in *stream. */
+typedef struct {
+    int known;
+    void *handle;
+} CallStream;
+
+static int stream_entry(Launcher *self, PyObject *given, DLDevice first, int32_t arg, PyObject **held,
+                        CallStream *stream) {
     if (PyObject_TypeCheck(given, (PyTypeObject *)self->tensor_type)) {
         Py_INCREF(given);
         Py_XDECREF(held[arg]);
@@ -169,12 +176,15 @@ static int stream_entry(Launcher *self, PyObject *given, DLDevice first, int32_t
                      arg);
         return -1;
     }
-    if (current_stream(self, first, &stream) < 0) return -1;
-    if (self->stream_capturing != NULL) {
-        int status = 0;
-        if (self->stream_capturing(stream, &status) != 0 || status != 0) return 0;
+    if (!stream->known) {
+        if (current_stream(self, first, &stream->handle) < 0) return -1;
+        if (self->stream_capturing != NULL) {
+            int status = 0;
+            if (self->stream_capturing(stream->handle, &status) != 0 || status != 0) return 0;
+        }
+        stream->known = 1;
     }
-    PyObject *key = PyLong_FromVoidPtr(stream);
+    PyObject *key = PyLong_FromVoidPtr(stream->handle);
     if (key == NULL) return -1;
     PyObject *entry = PyObject_GetItem(given, key);
     Py_DECREF(key);
@@ -198,12 +208,13 @@ static int stream_entry(Launcher *self, PyObject *given, DLDevice first, int32_t
 static int read_values(Launcher *self, PyObject *const *args, Scalar *values, PyObject **held) {
     DLTensor t;
     Py_ssize_t viewed = -1; /* the argument t describes */
+    CallStream stream = {0, NULL}; /* the current stream, once a PER_STREAM dict is read */
     DLDevice first = {0, -1}; /* the device of the first tensor read */
     for (Py_ssize_t i = 0; i < self->nfields; i++) {
         const Field *f = &self->fields[i];
         PyObject *obj = held[f->arg] != NULL ? held[f->arg] : args[f->arg];
         if (f->what == PER_STREAM) {
-            int found = stream_entry(self, args[f->arg], first, f->arg, held);
+            int found = stream_entry(self, args[f->arg], first, f->arg, held, &stream);
             if (found <= 0) return found < 0 ? -1 : 1;
         } else if (f->what == CURRENT_STREAM) {
             if (current_stream(self, first, &values[i].p) < 0) return -1;
