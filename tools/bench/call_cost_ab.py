@@ -1,14 +1,15 @@
 """Two checkouts' call cost, paired: which is cheaper per eager call, beyond the host's drift.
 
     python tools/bench/call_cost_ab.py A_TREE B_TREE [--a-cache PATH] [--b-cache PATH]
-        [--rounds 30] [--calls 2000] [--cpu 3] [--gemm-k 4096]
+        [--rounds 30] [--calls 2000] [--cpu 3] [--gemm-k 4096] [--gemm-m 16]
 
 A GPU machine's host speeds up and slows down by a third within minutes, so
 two runs of ``launch_overhead.py`` one after the other cannot tell 2% apart.
 Here one worker process per checkout (its own ``quack`` on ``sys.path``, its
 own ``QUACK_CACHE_PATH``) builds the calls of this checkout's
 ``launch_overhead.op_pairs()`` (public ops only, so both trees run the same
-calls; ``--gemm-k`` sets the GEMM row's K) on its own ``quack`` and waits; both are pinned to the same CPU and take turns, op by op,
+calls; ``--gemm-m`` and ``--gemm-k`` set the GEMM row's M and K) on its own
+``quack`` and waits; both are pinned to the same CPU and take turns, op by op,
 round by round (the order flips each round), so each pair of measurements
 is milliseconds apart.  Each cell is ``per_call_us`` (calls timed in batches
 on the CPU clock, the GPU synchronized between batches).
@@ -32,7 +33,7 @@ import sys
 # this checkout, puts its own repository on sys.path), then one JSON line per request.
 WORKER = r"""
 import json, os, sys
-tree, bench, gemm_k = sys.argv[1], sys.argv[2], int(sys.argv[3])
+tree, bench, gemm_k, gemm_m = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 sys.path.insert(0, tree)
 replies = os.fdopen(os.dup(1), "w")
 os.dup2(2, 1)  # anything else printed goes to stderr, not into the replies
@@ -40,7 +41,7 @@ import quack
 assert os.path.realpath(os.path.join(os.path.dirname(quack.__file__), "..")) == os.path.realpath(tree), quack.__file__
 sys.path.insert(0, bench)
 import launch_overhead as lo
-pairs = lo.op_pairs(gemm_k)
+pairs = lo.op_pairs(gemm_k, gemm_m)
 for _, fast, ref in pairs:
     fast(), ref()
 print(json.dumps([label for label, _, _ in pairs]), file=replies, flush=True)
@@ -54,14 +55,14 @@ for line in sys.stdin:
 class Worker:
     """One checkout's measuring process."""
 
-    def __init__(self, tree: str, cache: str | None, cpu: int | None, gemm_k: int) -> None:
+    def __init__(self, tree: str, cache: str | None, cpu: int | None, gemm_k: int, gemm_m: int) -> None:
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [tree, env.get("PYTHONPATH")]))
         if cache:
             env["QUACK_CACHE_PATH"] = cache
         self.process = subprocess.Popen(
             [sys.executable, "-c", WORKER, os.path.abspath(tree), os.path.dirname(os.path.abspath(__file__)),
-             str(gemm_k)], env=env, text=True,
+             str(gemm_k), str(gemm_m)], env=env, text=True,
             stdin=subprocess.PIPE, stdout=subprocess.PIPE,
             preexec_fn=(lambda: os.sched_setaffinity(0, {cpu})) if cpu is not None else None)
         self.labels = json.loads(self._reply())
@@ -92,13 +93,15 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=2000)
     parser.add_argument("--cpu", type=int, default=None, help="the CPU both workers are pinned to")
     parser.add_argument("--gemm-k", type=int, default=4096,
-                        help="the GEMM row's K (64: the unsplit object; 4096: the split-K one)")
+                        help="the GEMM row's K (at 16 rows: 64 runs the small-M object unsplit, 4096 split)")
+    parser.add_argument("--gemm-m", type=int, default=16,
+                        help="the GEMM row's M (1024: the default object, the one every tree has)")
     args = parser.parse_args()
     if args.rounds < 2:
         parser.error("--rounds: at least 2 (the table shows the ratios' quartiles)")
 
-    a = Worker(args.a_tree, args.a_cache, args.cpu, args.gemm_k)
-    b = Worker(args.b_tree, args.b_cache, args.cpu, args.gemm_k)
+    a = Worker(args.a_tree, args.a_cache, args.cpu, args.gemm_k, args.gemm_m)
+    b = Worker(args.b_tree, args.b_cache, args.cpu, args.gemm_k, args.gemm_m)
     labels = [label for label in a.labels if label in b.labels]
     cells = {label: {"a": [], "b": []} for label in labels}
     for round_index in range(args.rounds):

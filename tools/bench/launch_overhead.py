@@ -55,9 +55,10 @@ def per_call_us(fn, calls: int) -> float:
     return elapsed / (max(1, calls // BATCH) * BATCH) * 1e6
 
 
-def op_pairs(gemm_k: int = 4096):
+def op_pairs(gemm_k: int = 4096, gemm_m: int = 16):
     """(label, quack call, torch call) at decode-sized shapes, where the launch
-    is most of the cost (the GEMM's K picks its object: a split K at 4096)."""
+    is most of the cost (the GEMM's M and K pick its object: up to 64 rows the
+    small-M split-K one, whatever K; from 513 rows the default one)."""
     import torch
     import torch.nn.functional as F
 
@@ -69,14 +70,14 @@ def op_pairs(gemm_k: int = 4096):
     x1, w = randn(1, 4096), randn(4096)
     x8, b = randn(8, 4096), randn(4096)
     target = torch.randint(0, 4096, (8,), device="cuda")
-    a, bm = randn(16, gemm_k), randn(gemm_k, 4096)
+    a, bm = randn(gemm_m, gemm_k), randn(gemm_k, 4096)
     return [
         ("rmsnorm (1, 4096), bf16 weight", lambda: quack.rmsnorm(x1, w), lambda: F.rms_norm(x1, (4096,), w)),
         ("softmax (8, 4096)", lambda: quack.softmax(x8), lambda: torch.softmax(x8, -1)),
         ("layernorm (8, 4096)", lambda: quack.layernorm(x8, w, b), lambda: F.layer_norm(x8, (4096,), w, b)),
         ("cross_entropy (8, 4096), mean", lambda: quack.cross_entropy(x8, target),
          lambda: F.cross_entropy(x8, target)),
-        (f"gemm (16, {gemm_k}) x ({gemm_k}, 4096)", lambda: quack.gemm(a, bm), lambda: torch.matmul(a, bm)),
+        (f"gemm ({gemm_m}, {gemm_k}) x ({gemm_k}, 4096)", lambda: quack.gemm(a, bm), lambda: torch.matmul(a, bm)),
     ]
 
 
