@@ -152,17 +152,19 @@ static int current_stream(Launcher *self, DLDevice first, void **out) {
     return 0;
 }
 
+/* The current stream of one call, asked about once (known) by the first
+ * PER_STREAM argument and reused by the others. */
+typedef struct {
+    int known;
+    void *handle;
+} CallStream;
+
 /* The PER_STREAM argument's tensor, a new reference kept in held[arg]: the
  * argument itself where it is a tensor, else its dict's entry for the
  * current stream (0: none, or the stream is capturing a graph, or the driver
  * cannot tell: the call is declined; -1: an error).  The first dict of a
  * call asks torch and the driver about the current stream; the others reuse
  * the answer, kept in *stream. */
-typedef struct {
-    int known;
-    void *handle;
-} CallStream;
-
 static int stream_entry(Launcher *self, PyObject *given, DLDevice first, int32_t arg, PyObject **held,
                         CallStream *stream) {
     if (PyObject_TypeCheck(given, (PyTypeObject *)self->tensor_type)) {

@@ -43,13 +43,14 @@ def sum_partial_rows(partials: torch.Tensor, outs: list[torch.Tensor]) -> None:
         return
     # Under autocast a GEMV would run in 16 bits (torch lowers mv); the column sum stays fp32.
     gemv = partials.shape[1] <= GEMV_MAX_COLUMNS and not torch.is_autocast_enabled(partials.device.type)
+    ones = _ones(partials.shape[0], partials.device) if gemv else None
     if len(outs) == 1 and outs[0].dtype == torch.float32:
         if gemv:
-            torch.mv(partials.t(), _ones(partials.shape[0], partials.device), out=outs[0])
+            torch.mv(partials.t(), ones, out=outs[0])
         else:
             torch.sum(partials, 0, out=outs[0])
         return
-    sums = torch.mv(partials.t(), _ones(partials.shape[0], partials.device)) if gemv else partials.sum(0)
+    sums = torch.mv(partials.t(), ones) if gemv else partials.sum(0)
     n = sums.numel() // len(outs)
     for i, out in enumerate(outs):
         out.copy_(sums[i * n:(i + 1) * n])
