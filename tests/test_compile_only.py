@@ -2,6 +2,7 @@
 
 import asyncio
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -9,7 +10,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 import quack.cache
 from quack.cache.mode import _COMPILE_ONLY_DEPTH
-from quack.compile_only import CompileOnlyFakeTensorMode, compile_only_mode, is_compile_only
+from quack.compile_only import CompileOnlyFakeTensorMode, compile_only_mode, hinted_message, is_compile_only
 
 
 def test_compile_only_is_live():
@@ -60,14 +61,85 @@ def test_depth_is_per_thread():
         seen["before"] = is_compile_only()
         with compile_only_mode():
             seen["inside"] = is_compile_only()
+        seen["after"] = is_compile_only()
 
+    thread = threading.Thread(target=other)
     with compile_only_mode():
-        thread = threading.Thread(target=other)
-        thread.start()
+        thread.start()  # made outside the block, started inside: it runs in the mode
         thread.join()
         assert is_compile_only()
-    assert seen == {"before": False, "inside": True}
+    assert seen == {"before": True, "inside": True, "after": True}
     assert not is_compile_only()
+    outside = threading.Thread(target=other)
+    outside.start()
+    outside.join()
+    assert seen == {"before": False, "inside": True, "after": False}
+
+
+def test_threads_started_inside_share_the_mode_and_its_tensors():
+    with compile_only_mode() as mode:
+        x = torch.randn(8, 16, device="cuda")
+
+        def work(i):
+            assert is_compile_only()
+            y = torch.randn(8, 16, device="cuda") * i + x  # its own tensors beside the test's
+            return isinstance(y, FakeTensor) and y.fake_mode is mode.fake_mode
+
+        with ThreadPoolExecutor(4) as pool:
+            assert list(pool.map(work, range(16))) == [True] * 16
+        assert (x + 1).shape == (8, 16)
+    assert not is_compile_only()
+    assert not isinstance(torch.ones(2), FakeTensor)
+
+
+def test_threads_inside_the_mode_at_once_each_leave_it_cleanly():
+    # Each thread enters and leaves the shared fake mode: its re-entry
+    # bookkeeping is per thread, so exits in any order restore each its own.
+    inside = threading.Barrier(3)
+    leave_second = threading.Event()
+    errors = []
+
+    def work(first: bool):
+        try:
+            inside.wait(timeout=30)
+            if not first:
+                leave_second.wait(timeout=30)
+            assert isinstance(torch.ones(2, device="cuda"), FakeTensor)
+        except BaseException as e:  # reported below, with the assertion's message
+            errors.append(e)
+        finally:
+            if first:
+                leave_second.set()
+
+    with compile_only_mode() as mode:
+        threads = [threading.Thread(target=work, args=(first,)) for first in (True, False)]
+        for t in threads:
+            t.start()
+        inside.wait(timeout=30)
+        for t in threads:
+            t.join(timeout=60)
+        assert not errors, errors
+        assert not mode.fake_mode.in_kernel_invocation and mode.fake_mode.enter_stack
+    assert not mode.fake_mode.enter_stack
+    assert not isinstance(torch.ones(2), FakeTensor)
+
+
+def test_a_mode_entered_again_takes_the_tensors_made_in_it_before():
+    with compile_only_mode() as mode:
+        kept = torch.ones(4, device="cuda")
+    with compile_only_mode(mode):
+        assert (kept * 2 + torch.ones(4, device="cuda")).shape == (4,)
+    with compile_only_mode():
+        with pytest.raises(AssertionError, match="Mixing fake modes"):
+            kept + torch.ones(4, device="cuda")
+
+
+def test_errors_the_mode_cannot_avoid_get_a_hint():
+    assert "no_compile_only" in hinted_message("RuntimeError: Found no NVIDIA driver on your system.")
+    assert "CUDA build of torch" in hinted_message("PyTorch is not linked with support for cuda devices")
+    long = "torch.compile with fullgraph=True found no compiled frames\n" + "frame\n" * 500
+    assert hinted_message(long).count("\n") < 20
+    assert hinted_message("a real bug") is None
 
 
 def test_depth_is_per_asyncio_task():

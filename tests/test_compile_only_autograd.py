@@ -136,6 +136,14 @@ def test_cuda_answers_for_the_compile_target_inside_the_mode_only(monkeypatch):
         assert torch.cuda.get_device_properties(0).multi_processor_count == quack.calls.torch_interop.sm_count(0)
         torch.cuda.synchronize()
         assert torch.randn(8, 8, device="cuda")[:4].shape == (4, 8)  # the fake device guard stays
+        # Housekeeping a test or a training script does, answered without a driver.
+        torch.cuda.set_device(0)
+        with torch.cuda.device(0):
+            torch.cuda.reset_peak_memory_stats()
+            torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info()
+        assert free == total == torch.cuda.get_device_properties(0).total_memory
+        assert torch.cuda.max_memory_allocated() == 0 and "compile-only" in torch.cuda.memory_summary()
     assert torch.cuda.is_available() is real
 
 

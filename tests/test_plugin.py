@@ -264,3 +264,52 @@ def test_compile_only_recognises_tests_written_for_a_gpu(pytester, monkeypatch):
         "*test_module_guard.py::test_guarded: ran to its end*",
     ])
     assert "test_on_the_cpu:" not in result.stdout.str() and "test_real_values" not in result.stdout.str()
+
+
+SHARED_ACROSS_TESTS = """
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+import quack
+
+
+@pytest.fixture(scope="session")
+def model():
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA")
+    return torch.nn.Linear(256, 256, dtype=torch.bfloat16).cuda()
+
+
+def test_first(model):
+    model(torch.randn(4, 256, device="cuda", dtype=torch.bfloat16)).sum().backward()
+
+
+def test_second_reuses_the_session_model(model):
+    model(torch.randn(4, 256, device="cuda", dtype=torch.bfloat16)).sum().backward()
+
+
+def test_workers_make_tensors_and_take_the_tests(model):
+    weight = torch.ones(256, device="cuda", dtype=torch.float32)
+
+    def work(rows):
+        x = torch.randn(rows, 256, device="cuda", dtype=torch.bfloat16)
+        return quack.rmsnorm(model(x), weight).shape
+
+    with ThreadPoolExecutor(4) as pool:
+        assert list(pool.map(work, [1, 2, 3, 4])) == [torch.Size([r, 256]) for r in (1, 2, 3, 4)]
+"""
+
+
+@pytest.mark.skipif(not CUDA_BUILD, reason="Module.cuda() and backward on fake CUDA tensors need a CUDA build of torch")
+def test_session_fixtures_and_worker_threads_share_the_fake_mode(pytester, monkeypatch):
+    """A session fixture's module serves every test, and threads a test starts run in the mode."""
+    pytester.makepyfile(test_inner=SHARED_ACROSS_TESTS)
+    monkeypatch.setenv("QUACK_CACHE_DIR", str(pytester.path / "cache"))
+    monkeypatch.setenv("QUACK_ARCH", "sm_90a")
+    for name in ("QUACK_CACHE_PATH", "QUACK_CACHE_STRICT"):
+        monkeypatch.delenv(name, raising=False)
+    result = pytester.runpytest_subprocess("-p", "quack.testing.pytest_plugin", "-p", "no:cacheprovider",
+                                           "--compile-only")
+    result.assert_outcomes(passed=3)

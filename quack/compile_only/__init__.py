@@ -32,7 +32,9 @@ Driver-script use::
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+import threading
+from contextvars import ContextVar
+from typing import Any, Iterator, Optional
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -41,11 +43,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from quack.cache.mode import _COMPILE_ONLY_DEPTH
-from quack.compile_only.gpu import CUDA_BUILD, emulated
+from quack.compile_only.gpu import CUDA_BUILD, SharedPatches, emulated, patch_attribute
 
 __all__ = [
-    "CompileOnlyFakeTensorMode", "autograd_available", "compile_only_mode", "differentiable_outputs", "is_compile_only",
-    "requires_grad_for_warming", "warming_gradients",
+    "CompileOnlyFakeTensorMode", "autograd_available", "compile_only_mode", "differentiable_outputs", "hinted_message",
+    "is_compile_only", "requires_grad_for_warming", "warming_gradients",
 ]
 
 # Small on purpose: test code that really depends on the value should fail
@@ -58,7 +60,46 @@ _FLOAT_SENTINEL = 1.0
 _SCALAR_READS = (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default)
 
 
-class _ScalarSentinelMode(TorchDispatchMode):
+class _PerThread:
+    """An attribute of a mode kept per thread.  The threads a compile-only
+    block starts enter its modes too (``_threads_inherit``), and torch keeps
+    each mode's re-entry bookkeeping (its stack of earlier states, fake
+    mode's in-kernel flag) on the instance: shared, one thread's exit would
+    restore another's state.  Unset in a thread, it reads ``default()``, or
+    is missing (AttributeError) without a default: torch then sets it up."""
+
+    def __init__(self, default=None):
+        self.default = default
+
+    def __set_name__(self, owner, name: str) -> None:
+        self.name = name
+
+    def _local(self, mode) -> threading.local:
+        return mode.__dict__.setdefault("_quack_per_thread", threading.local())
+
+    def __get__(self, mode, owner=None):
+        if mode is None:
+            return self
+        local = self._local(mode)
+        if not hasattr(local, self.name):
+            if self.default is None:
+                raise AttributeError(self.name)
+            setattr(local, self.name, self.default())
+        return getattr(local, self.name)
+
+    def __set__(self, mode, value) -> None:
+        setattr(self._local(mode), self.name, value)
+
+
+class _SharedAcrossThreads:
+    """TorchDispatchMode's bookkeeping of the dispatch flags, per thread (``_PerThread``)."""
+
+    old_dispatch_mode_flags = _PerThread()
+    old_non_infra_dispatch_mode_flags = _PerThread()
+    old_without_ignore_compile_internals_dispatch_mode_flags = _PerThread()
+
+
+class _ScalarSentinelMode(_SharedAcrossThreads, TorchDispatchMode):
     """Answer ``aten._local_scalar_dense`` (the op behind ``.item()``) with a sentinel.
 
     A separate dispatch mode rather than a ``FakeTensorMode`` subclass: it uses the
@@ -90,11 +131,15 @@ class _ScalarSentinelMode(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-class _NoDeviceFakeTensorMode(FakeTensorMode):
+class _NoDeviceFakeTensorMode(_SharedAcrossThreads, FakeTensorMode):
     """A ``FakeTensorMode`` that never initialises a device, also while
     ``torch.cuda.is_available()`` is claimed (``quack.compile_only_gpu``):
     it keeps the fake CUDA device guard and makes factory outputs fake
-    without asking the (absent) driver."""
+    without asking the (absent) driver.  Several threads may be inside it
+    at once (``_PerThread``)."""
+
+    enter_stack = _PerThread(list)
+    in_kernel_invocation = _PerThread(lambda: False)
 
     @property
     def avoid_device_init(self) -> bool:
@@ -126,31 +171,85 @@ class CompileOnlyFakeTensorMode:
             self.fake_mode.__exit__(exc_type, exc_val, exc_tb)
 
 
+# The mode of the compile-only block this thread (or task) runs in, for the threads it starts.
+_ACTIVE_MODE: ContextVar[Optional[CompileOnlyFakeTensorMode]] = ContextVar("quack_compile_only_mode", default=None)
+
+
 @contextlib.contextmanager
-def compile_only_mode() -> Iterator[CompileOnlyFakeTensorMode]:
+def compile_only_mode(mode: Optional[CompileOnlyFakeTensorMode] = None) -> Iterator[CompileOnlyFakeTensorMode]:
     """Enter compile-only mode; yields the active :class:`CompileOnlyFakeTensorMode`.
+
+    ``mode``: one that an earlier block yielded, entered again so that the
+    tensors made there (a session fixture's, a module's) can be used here;
+    by default a new one.  Threads started inside the block run in it too,
+    in the same mode, until they end (a worker pool's threads included).
 
     The depth is pushed with a token and reset to exactly its prior value on exit,
     also when the block raises, so nested regions never leak ``False`` (or
     ``True``) to the enclosing scope.
     """
+    mode = CompileOnlyFakeTensorMode() if mode is None else mode
     token = _COMPILE_ONLY_DEPTH.set(_COMPILE_ONLY_DEPTH.get() + 1)
+    active = _ACTIVE_MODE.set(mode)
     try:
-        with emulated(), CompileOnlyFakeTensorMode() as mode:
+        with emulated(), _THREADS_INHERIT.held(), mode:
             yield mode
     except RuntimeError as err:
-        # torch's message may list every frame the block ran: cut to its
-        # first lines, where the frames of the error stay (its traceback).
-        message = str(err)
-        if _NO_CUDA_GUARD in message:
-            hinted = f"{_first_lines(message)}. {_NO_CUDA_GUARD_HINT}"
-        elif _NO_COMPILED_FRAMES in message:
-            hinted = f"{_FULLGRAPH_HINT}\n{_first_lines(message)}"
-        else:
+        hinted = hinted_message(str(err))
+        if hinted is None:
             raise
         raise RuntimeError(hinted).with_traceback(err.__traceback__) from None
     finally:
+        _ACTIVE_MODE.reset(active)
         _COMPILE_ONLY_DEPTH.reset(token)
+
+
+def _threads_inherit(patches: list) -> None:
+    """``Thread.start`` runs a thread started inside a compile-only block in
+    that block's mode (``compile_only_mode``)."""
+    start = threading.Thread.start
+
+    def start_in_mode(thread: threading.Thread) -> None:
+        mode = _ACTIVE_MODE.get()
+        if mode is not None:
+            run = thread.run
+
+            def run_in_mode() -> None:
+                with compile_only_mode(mode):
+                    run()
+
+            thread.run = run_in_mode
+        start(thread)
+
+    patch_attribute(patches, threading.Thread, "start", start_in_mode)
+
+
+_THREADS_INHERIT = SharedPatches(_threads_inherit)
+
+
+def hinted_message(message: str) -> Optional[str]:
+    """torch's error message with what compile-only mode can say about it
+    (the pytest plugin adds the same to a failed test's report, where the
+    test caught it first), or None where it knows nothing.  torch's message
+    may list every frame the block ran: it is cut to its first lines, where
+    the frames of the error stay (its traceback)."""
+    if _NO_CUDA_GUARD in message:
+        return f"{_first_lines(message)}. {_NO_CUDA_GUARD_HINT}"
+    if _NO_COMPILED_FRAMES in message:
+        return f"{_FULLGRAPH_HINT}\n{_first_lines(message)}"
+    if any(e in message for e in _NOT_EMULATED_ERRORS):
+        return f"{_first_lines(message)}\n{_NOT_EMULATED_HINT}"
+    return None
+
+
+# What torch says when code in compile-only mode reached the CUDA driver,
+# which no GPU machine-to-be has here.
+_NOT_EMULATED_ERRORS = ("Found no NVIDIA driver", "CUDA driver version is insufficient")
+_NOT_EMULATED_HINT = (
+    "Compile-only mode reached the CUDA driver, which it does not emulate: CUDA streams, events, graphs, "
+    "pinned memory and CUDA generators need a GPU. Mark such a test @pytest.mark.no_compile_only (skipped "
+    "under --compile-only), or keep those calls out of the code it runs there."
+)
 
 
 def _first_lines(text: str, lines: int = 12, chars: int = 4000) -> str:

@@ -8,7 +8,9 @@ tensors) this module makes the usual GPU idioms behave as on the GPU:
   queries a test or library makes (``device_count``, ``get_device_capability``
   from the compile target ``QUACK_ARCH``, ``get_device_properties``,
   ``get_device_name``, ``current_device``, ``is_bf16_supported``,
-  ``synchronize``) answer for that target.  Autocast and ``GradScaler("cuda")``
+  ``synchronize``, ``set_device`` and ``with torch.cuda.device(...)``, the
+  memory statistics' resets, ``mem_get_info`` and ``memory_summary``)
+  answer for that target.  Autocast and ``GradScaler("cuda")``
   are then on, as on the GPU, so a bf16 autocast region warms bf16 kernels.
   The pytest plugin claims during collection too (module-level ``DEVICE = ...``
   and ``skipif(not torch.cuda.is_available())``).
@@ -100,15 +102,23 @@ _CLAIM_STUBS = {
     "get_rng_state": lambda device="cuda": torch.empty(0, dtype=torch.uint8),
     "set_rng_state": lambda new_state, device="cuda": None,
     "is_current_stream_capturing": lambda: False,
+    # The one device: selecting it changes nothing.
+    "set_device": lambda device: None,
+    "device": lambda device: contextlib.nullcontext(),
+    # Memory statistics: nothing is ever allocated on the device.
+    "reset_peak_memory_stats": lambda device=None: None,
+    "reset_accumulated_memory_stats": lambda device=None: None,
+    "mem_get_info": lambda device=None: (DEVICE_MEMORY, DEVICE_MEMORY),
+    "memory_summary": lambda device=None, abbreviated=False: "compile-only: no device memory is allocated",
 }
 
 
-def _patch(patches: list, owner, name: str, value) -> None:
+def patch_attribute(patches: list, owner, name: str, value) -> None:
     patches.append((owner, name, owner.__dict__[name] if name in owner.__dict__ else getattr(owner, name)))
     setattr(owner, name, value)
 
 
-class _Shared:
+class SharedPatches:
     """Patches that the first of overlapping regions (in any thread) installs
     and the last one undoes."""
 
@@ -143,18 +153,18 @@ class _Shared:
 
 def _install_claim(patches: list) -> None:
     for name, stub in _CLAIM_STUBS.items():
-        _patch(patches, torch.cuda, name, stub)
+        patch_attribute(patches, torch.cuda, name, stub)
     # What Dynamo asks of the accelerator when it starts a trace: the current
     # stream, as an object made of ids that never reaches the driver (made
     # here: Dynamo would trace its construction inside a stub).
     stream = torch.Stream(stream_id=0, device_index=0, device_type=1)
-    _patch(patches, torch.accelerator, "current_device_index", lambda: 0)
-    _patch(patches, torch.accelerator, "current_stream", lambda device=None: stream)
+    patch_attribute(patches, torch.accelerator, "current_device_index", lambda: 0)
+    patch_attribute(patches, torch.accelerator, "current_stream", lambda device=None: stream)
     # Fake CUDA tensors need no CUDA context; older torch releases make one
     # for each fake device whenever CUDA claims to be available.
     fake_tensor = torch._subclasses.fake_tensor
     if hasattr(fake_tensor, "init_gpu_context"):
-        _patch(patches, fake_tensor, "init_gpu_context", lambda device: None)
+        patch_attribute(patches, fake_tensor, "init_gpu_context", lambda device: None)
 
 
 def _install_emulation(patches: list) -> None:
@@ -166,12 +176,12 @@ def _install_emulation(patches: list) -> None:
         )
     from quack.compile_only.autograd import run_backward
 
-    _patch(patches, torch.autograd, "_engine_run_backward", run_backward)
-    _patch(patches, torch.utils, "swap_tensors", _forgetting_swap(torch.utils.swap_tensors))
+    patch_attribute(patches, torch.autograd, "_engine_run_backward", run_backward)
+    patch_attribute(patches, torch.utils, "swap_tensors", _forgetting_swap(torch.utils.swap_tensors))
     for wrapper in (torch._TorchCompileInductorWrapper, torch._TorchCompileAOTInductorWrapper,
                     torch._TorchCompileWrapper):
-        _patch(patches, wrapper, "__call__", _run_captured_graph)
-    _patch(patches, torch.amp.grad_scaler.GradScaler, "_maybe_opt_step", _always_step)
+        patch_attribute(patches, wrapper, "__call__", _run_captured_graph)
+    patch_attribute(patches, torch.amp.grad_scaler.GradScaler, "_maybe_opt_step", _always_step)
 
 
 def _install_cpu_build_guard(patches: list) -> None:
@@ -184,13 +194,13 @@ def _install_cpu_build_guard(patches: list) -> None:
             raise RuntimeError(f"{CPU_BUILD_MESSAGE} (the call: {cls.__name__}.apply)")
         return original(cls, *args, **kwargs)
 
-    _patch(patches, torch.autograd.Function, "apply", classmethod(apply))
-    _patch(patches, torch.autograd, "_engine_run_backward", _refuse_backward)
+    patch_attribute(patches, torch.autograd.Function, "apply", classmethod(apply))
+    patch_attribute(patches, torch.autograd, "_engine_run_backward", _refuse_backward)
 
 
-_CLAIM = _Shared(_install_claim)
-_EMULATION = _Shared(_install_emulation)
-_CPU_BUILD_GUARD = _Shared(_install_cpu_build_guard)
+_CLAIM = SharedPatches(_install_claim)
+_EMULATION = SharedPatches(_install_emulation)
+_CPU_BUILD_GUARD = SharedPatches(_install_cpu_build_guard)
 
 
 @contextlib.contextmanager

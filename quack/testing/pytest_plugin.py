@@ -59,6 +59,7 @@ import pytest
 _WARMED_KEY = pytest.StashKey[dict]()
 _OUTCOMES_KEY = pytest.StashKey[dict]()
 _CLAIM_KEY = pytest.StashKey[object]()
+_MODE_KEY = pytest.StashKey[object]()
 MARKER = "quack_gpu"
 ALIAS_INI = "quack_gpu_marker_alias"
 
@@ -227,17 +228,21 @@ def _cache_counts() -> tuple[int, int, int]:
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem):
     """Run setup, call and teardown of a GPU test inside one compile-only context,
-    so tensors made by fixtures and by the test share one fake mode."""
+    in the session's fake mode, so tensors made by fixtures of any scope and
+    by the test share it."""
     if not (_compile_only(item.config) and _is_gpu_test(item)):
         return (yield)
     if item.get_closest_marker("no_compile_only"):
         return (yield)
-    from quack.compile_only import compile_only_mode
+    from quack.compile_only import CompileOnlyFakeTensorMode, compile_only_mode
 
     before = _cache_counts()
     patch = _comparisons_disabled()
+    # One fake mode for the session: a module- or session-scoped fixture's
+    # tensors, made in an earlier test, mix with this test's.
+    mode = item.config.stash.setdefault(_MODE_KEY, CompileOnlyFakeTensorMode())
     try:
-        with compile_only_mode():
+        with compile_only_mode(mode):
             result = yield
     finally:
         patch.undo()
@@ -264,7 +269,10 @@ _NO_GPU_ERRORS = (
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call):
     """Under --compile-only: note each GPU test's outcome (for the summary),
-    and give a test that failed touching CUDA outside the mode a hint."""
+    give a test that failed touching CUDA outside the mode a hint, and a GPU
+    test that failed on what the mode cannot run (a CPU-only torch's limits,
+    the CUDA driver) what ``compile_only_mode`` says about it: the test's own
+    code may have caught the error before the mode's exit could."""
     report = yield
     if not _compile_only(item.config):
         return report
@@ -273,6 +281,12 @@ def pytest_runtest_makereport(item: pytest.Item, call):
         outcomes.setdefault(item.nodeid, _outcome_words(report))
     if report.failed and not _is_gpu_test(item) and any(e in str(report.longrepr) for e in _NO_GPU_ERRORS):
         report.sections.append(("quack --compile-only", _hint(item.config)))
+    elif report.failed and _is_gpu_test(item) and call.excinfo is not None:
+        from quack.compile_only import hinted_message
+
+        hinted = hinted_message(str(call.excinfo.value))
+        if hinted is not None:
+            report.sections.append(("quack --compile-only", hinted))
     return report
 
 
