@@ -1,8 +1,10 @@
 """compile_only_mode, the live read-only quack.cache.COMPILE_ONLY, and scalar sentinels."""
 
 import asyncio
+import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from copy import deepcopy
 
 import pytest
 import torch
@@ -92,6 +94,48 @@ def test_threads_started_inside_share_the_mode_and_its_tensors():
     assert not isinstance(torch.ones(2), FakeTensor)
 
 
+def test_a_pool_runs_in_the_mode_only_what_the_block_submits():
+    pool = ThreadPoolExecutor(2)  # started before the block, outliving it
+    made_on = lambda: type(torch.ones(2, device="cuda" if is_compile_only() else "cpu"))  # noqa: E731
+    try:
+        assert pool.submit(made_on).result() is torch.Tensor
+        with compile_only_mode():
+            assert pool.submit(made_on).result() is FakeTensor
+        assert pool.submit(made_on).result() is torch.Tensor
+        assert pool.submit(is_compile_only).result() is False
+    finally:
+        pool.shutdown()
+
+
+def test_threads_converting_at_once_each_get_their_own_tensor():
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # thread switches in the middle of each conversion
+    wrong = []
+    try:
+        with compile_only_mode():
+            def work(i):
+                for j in range(100):
+                    n = 1 + (i * 100 + j) % 97
+                    t = torch.tensor(list(range(n)), device="cuda")
+                    if t.shape != (n,):
+                        wrong.append((n, tuple(t.shape)))
+
+            with ThreadPoolExecutor(8) as pool:
+                list(pool.map(work, range(8)))
+    finally:
+        sys.setswitchinterval(interval)
+    assert not wrong
+
+
+@pytest.mark.skipif(not torch.backends.cuda.is_built(), reason="copying a fake CUDA tensor needs a CUDA build of torch")
+def test_a_deep_copy_made_in_the_mode_mixes_with_the_original():
+    with compile_only_mode():
+        model = torch.nn.Linear(4, 4, device="cuda")
+        copy = deepcopy(model)
+        assert copy.weight is not model.weight
+        assert (copy(torch.ones(2, 4, device="cuda")) + model.weight.sum()).shape == (2, 4)
+
+
 def test_threads_inside_the_mode_at_once_each_leave_it_cleanly():
     # Each thread enters and leaves the shared fake mode: its re-entry
     # bookkeeping is per thread, so exits in any order restore each its own.
@@ -176,6 +220,9 @@ def test_scalar_reads_return_sentinels():
         total_m = ints.sum().item()
         assert torch.empty(total_m * 2, 8, device="cuda").shape == (2, 8)
         assert (floats > 0).any().item() is False  # "is anything non-finite?" answers no
+        assert torch.isfinite(floats).all().item() is True  # "is everything finite?" answers yes
+        finite = torch.isfinite(torch.randn(4)).all()  # on the CPU: a CPU-only torch cannot view fake CUDA ones
+        assert not ~finite and finite.view(1).squeeze().item() and not torch.isnan(torch.randn(4)).any()
         with torch.inference_mode():  # where aten.item reaches the modes undecomposed
             assert floats.max().item() == 1.0 and torch.ones(2, device="cuda").sum().item() == 1.0
 

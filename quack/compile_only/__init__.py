@@ -5,7 +5,7 @@ Inside :func:`compile_only_mode`, every tensor is a ``FakeTensor``; a ``@cute_op
 op's fake implementation derives the key and calls its ``jit_cache`` compile
 function, which exports the object and hands back a no-op launch. ``.item()``,
 ``.tolist()``, ``int(t)`` and ``float(t)`` return the sentinels ``1`` / ``1.0``
-(``False`` for a bool) so test setup that reads tensor values (``total_m =
+(a bool: True for an ``all``, else False) so test setup that reads tensor values (``total_m =
 seq_lens.sum().item()``) still reaches the kernel; the keys never depend on
 those values because batch dimensions are symbolic.
 
@@ -33,6 +33,8 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures.thread import _worker as _pool_worker
 from contextvars import ContextVar
 from typing import Any, Iterator, Optional
 
@@ -43,7 +45,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from quack.cache.mode import _COMPILE_ONLY_DEPTH
-from quack.compile_only.gpu import CUDA_BUILD, SharedPatches, emulated, patch_attribute
+from quack.compile_only.gpu import CUDA_BUILD, SharedPatches, emulated, patch_attribute, thread_modes
 
 __all__ = [
     "CompileOnlyFakeTensorMode", "autograd_available", "compile_only_mode", "differentiable_outputs", "hinted_message",
@@ -74,13 +76,10 @@ class _PerThread:
     def __set_name__(self, owner, name: str) -> None:
         self.name = name
 
-    def _local(self, mode) -> threading.local:
-        return mode.__dict__.setdefault("_quack_per_thread", threading.local())
-
     def __get__(self, mode, owner=None):
         if mode is None:
             return self
-        local = self._local(mode)
+        local = mode.__dict__[_PER_THREAD]
         if not hasattr(local, self.name):
             if self.default is None:
                 raise AttributeError(self.name)
@@ -88,11 +87,25 @@ class _PerThread:
         return getattr(local, self.name)
 
     def __set__(self, mode, value) -> None:
-        setattr(self._local(mode), self.name, value)
+        setattr(mode.__dict__[_PER_THREAD], self.name, value)
+
+
+# Where a mode keeps its ``_PerThread`` attributes.
+_PER_THREAD = "_quack_per_thread"
 
 
 class _SharedAcrossThreads:
-    """TorchDispatchMode's bookkeeping of the dispatch flags, per thread (``_PerThread``)."""
+    """TorchDispatchMode's bookkeeping of the dispatch flags, per thread
+    (``_PerThread``).  A copy of the mode (``copy.deepcopy`` of a module
+    whose tensors it made) is the mode itself: the copy's tensors must mix
+    with the original's."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        self.__dict__[_PER_THREAD] = threading.local()
+        super().__init__(*args, **kwargs)
+
+    def __deepcopy__(self, memo) -> "_SharedAcrossThreads":
+        return self
 
     old_dispatch_mode_flags = _PerThread()
     old_non_infra_dispatch_mode_flags = _PerThread()
@@ -106,11 +119,14 @@ class _ScalarSentinelMode(_SharedAcrossThreads, TorchDispatchMode):
     public ``__torch_dispatch__`` protocol and composes with any ``FakeTensorMode``
     configuration. Every other op goes on down the stack to fake dispatch.
 
-    A bool reads False: the checks tests and training code make on values
-    ("is any gradient non-finite?", ``clip_grad_norm_(error_if_nonfinite=True)``)
-    then answer no, as on healthy GPU data.  torch.compile traces with this
-    mode off (``ignore_compile_internals``) and the compiled graph runs with
-    it on, higher-order operators included.
+    A bool reads as healthy GPU data would answer the checks tests and
+    training code make on values: the result of ``all`` reads True ("are
+    all outputs finite?", ``torch.isfinite(y).all()``), any other bool False
+    ("is any gradient non-finite?", ``clip_grad_norm_(error_if_nonfinite=True)``),
+    each negated by ``logical_not`` and kept through copies and views
+    (``_TRUTH_KEEPING``).  torch.compile traces with this mode off
+    (``ignore_compile_internals``) and the compiled graph runs with it on,
+    higher-order operators included.
     """
 
     supports_higher_order_operators = True
@@ -126,9 +142,29 @@ class _ScalarSentinelMode(_SharedAcrossThreads, TorchDispatchMode):
         if func in _SCALAR_READS:
             dtype = args[0].dtype
             if dtype == torch.bool:
-                return False
+                return getattr(args[0], _TRUTH, False)
             return _FLOAT_SENTINEL if dtype.is_floating_point else _INT_SENTINEL
-        return func(*args, **(kwargs or {}))
+        out = func(*args, **(kwargs or {}))
+        packet = func.overloadpacket
+        if isinstance(out, torch.Tensor) and out.dtype == torch.bool and packet in _TRUTH_MAKING:
+            truth = _TRUTH_MAKING[packet]
+            if truth is None:  # kept, or negated, from the input
+                truth = getattr(args[0], _TRUTH, False) if isinstance(args[0], torch.Tensor) else False
+                truth = not truth if packet in _NEGATING else truth
+            setattr(out, _TRUTH, truth)
+        return out
+
+
+# The value a bool tensor's scalar read answers (``_ScalarSentinelMode``), by the op that made it:
+# True or False, or None for the input's (negated by ``_NEGATING``).
+_TRUTH = "_quack_truth"
+_NEGATING = {torch.ops.aten.logical_not, torch.ops.aten.bitwise_not}
+_TRUTH_KEEPING = (
+    torch.ops.aten._to_copy, torch.ops.aten.clone, torch.ops.aten.detach, torch.ops.aten.alias,
+    torch.ops.aten.view, torch.ops.aten._unsafe_view, torch.ops.aten.reshape, torch.ops.aten.squeeze,
+    torch.ops.aten.unsqueeze, torch.ops.aten.lift_fresh, *_NEGATING,
+)
+_TRUTH_MAKING = {torch.ops.aten.all: True, **{op: None for op in _TRUTH_KEEPING}}
 
 
 class _NoDeviceFakeTensorMode(_SharedAcrossThreads, FakeTensorMode):
@@ -140,6 +176,24 @@ class _NoDeviceFakeTensorMode(_SharedAcrossThreads, FakeTensorMode):
 
     enter_stack = _PerThread(list)
     in_kernel_invocation = _PerThread(lambda: False)
+
+    def __init__(self, **fake_kwargs: Any) -> None:
+        super().__init__(**fake_kwargs)
+        # The converter's two ways in (a real tensor meeting the mode, an
+        # op's output) run under one lock: torch numbers the tensors they
+        # memoise with an unlocked counter, and two threads converting at
+        # once could be handed each other's fake tensor.
+        self.conversion_lock = threading.RLock()
+        converter = self.fake_tensor_converter
+        for name in ("from_real_tensor", "from_meta_and_device"):
+            setattr(converter, name, self._locked(getattr(converter, name)))
+
+    def _locked(self, convert):
+        def locked(*args, **kwargs):
+            with self.conversion_lock:
+                return convert(*args, **kwargs)
+
+        return locked
 
     @property
     def avoid_device_init(self) -> bool:
@@ -182,18 +236,28 @@ def compile_only_mode(mode: Optional[CompileOnlyFakeTensorMode] = None) -> Itera
     ``mode``: one that an earlier block yielded, entered again so that the
     tensors made there (a session fixture's, a module's) can be used here;
     by default a new one.  Threads started inside the block run in it too,
-    in the same mode, until they end (a worker pool's threads included).
+    in the same mode, until they end, and so do tasks submitted to a
+    ``ThreadPoolExecutor`` inside it (``_threads_inherit``).
 
     The depth is pushed with a token and reset to exactly its prior value on exit,
     also when the block raises, so nested regions never leak ``False`` (or
     ``True``) to the enclosing scope.
     """
     mode = CompileOnlyFakeTensorMode() if mode is None else mode
+    with _inside(mode, emulated(), _THREADS_INHERIT.held()):
+        yield mode
+
+
+@contextlib.contextmanager
+def _inside(mode: CompileOnlyFakeTensorMode, *held) -> Iterator[None]:
+    """This thread (or task) in ``mode``, with the process-wide patches ``held``."""
     token = _COMPILE_ONLY_DEPTH.set(_COMPILE_ONLY_DEPTH.get() + 1)
     active = _ACTIVE_MODE.set(mode)
     try:
-        with emulated(), _THREADS_INHERIT.held(), mode:
-            yield mode
+        with contextlib.ExitStack() as stack:
+            for context in (*held, thread_modes(), mode):
+                stack.enter_context(context)
+            yield
     except RuntimeError as err:
         hinted = hinted_message(str(err))
         if hinted is None:
@@ -204,24 +268,37 @@ def compile_only_mode(mode: Optional[CompileOnlyFakeTensorMode] = None) -> Itera
         _COMPILE_ONLY_DEPTH.reset(token)
 
 
+def _in_mode(mode: CompileOnlyFakeTensorMode, fn):
+    """``fn`` run in ``mode`` by another thread.  It holds none of the
+    process-wide patches: those stay the starting block's, and end with it."""
+
+    def run(*args, **kwargs):
+        with _inside(mode):
+            return fn(*args, **kwargs)
+
+    return run
+
+
 def _threads_inherit(patches: list) -> None:
-    """``Thread.start`` runs a thread started inside a compile-only block in
-    that block's mode (``compile_only_mode``)."""
-    start = threading.Thread.start
+    """Work handed to other threads inside a compile-only block runs in the
+    block's mode (``compile_only_mode``): a thread started inside it, for
+    its whole run; a task submitted to a thread pool, for that task (the
+    pool's threads themselves inherit nothing, so a pool that outlives the
+    block, or was started before it, runs later work outside the mode)."""
+    start, submit = threading.Thread.start, ThreadPoolExecutor.submit
 
     def start_in_mode(thread: threading.Thread) -> None:
         mode = _ACTIVE_MODE.get()
-        if mode is not None:
-            run = thread.run
-
-            def run_in_mode() -> None:
-                with compile_only_mode(mode):
-                    run()
-
-            thread.run = run_in_mode
+        if mode is not None and getattr(thread, "_target", None) is not _pool_worker:
+            thread.run = _in_mode(mode, thread.run)
         start(thread)
 
+    def submit_in_mode(pool: ThreadPoolExecutor, fn, /, *args, **kwargs):
+        mode = _ACTIVE_MODE.get()
+        return submit(pool, fn if mode is None else _in_mode(mode, fn), *args, **kwargs)
+
     patch_attribute(patches, threading.Thread, "start", start_in_mode)
+    patch_attribute(patches, ThreadPoolExecutor, "submit", submit_in_mode)
 
 
 _THREADS_INHERIT = SharedPatches(_threads_inherit)

@@ -89,6 +89,16 @@ def _name(device=None) -> str:
     return f"compile-only target sm_{major}{minor}"
 
 
+class _SameDevice(torch.cuda.device):
+    """``torch.cuda.device(i)``: the one device, nothing to switch."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        return False
+
+
 _CLAIM_STUBS = {
     "is_available": _is_available,
     "device_count": lambda: 1,
@@ -104,7 +114,7 @@ _CLAIM_STUBS = {
     "is_current_stream_capturing": lambda: False,
     # The one device: selecting it changes nothing.
     "set_device": lambda device: None,
-    "device": lambda device: contextlib.nullcontext(),
+    "device": _SameDevice,
     # Memory statistics: nothing is ever allocated on the device.
     "reset_peak_memory_stats": lambda device=None: None,
     "reset_accumulated_memory_stats": lambda device=None: None,
@@ -152,6 +162,10 @@ class SharedPatches:
 
 
 def _install_claim(patches: list) -> None:
+    # Dynamo's device interface keeps torch.cuda's functions from its import:
+    # imported now, it keeps the real ones, not these stubs.
+    import torch._dynamo.device_interface  # noqa: F401
+
     for name, stub in _CLAIM_STUBS.items():
         patch_attribute(patches, torch.cuda, name, stub)
     # What Dynamo asks of the accelerator when it starts a trace: the current
@@ -217,13 +231,20 @@ def claimed() -> Iterator[None]:
 def emulated() -> Iterator[None]:
     """Inside compile-only mode: the claim, plus backward, ``Module.cuda()``,
     ``torch.compile`` and ``GradScaler`` as described in the module docs; on
-    a CPU-only build, the guard that refuses autograd on fake CUDA tensors."""
+    a CPU-only build, the guard that refuses autograd on fake CUDA tensors
+    (with ``thread_modes``, which each thread in the mode enters)."""
     if not CUDA_BUILD:
-        with _CPU_BUILD_GUARD.held(), _CpuBuildGuard():
+        with _CPU_BUILD_GUARD.held():
             yield
         return
     with _CLAIM.held(), _EMULATION.held():
         yield
+
+
+def thread_modes() -> contextlib.AbstractContextManager:
+    """The modes of ``emulated`` that live on a thread's own mode stack: on a
+    CPU-only build, the guard's ``TorchFunctionMode``."""
+    return contextlib.nullcontext() if CUDA_BUILD else _CpuBuildGuard()
 
 
 def missing_private_names() -> list[str]:
@@ -267,9 +288,11 @@ def _forgetting_swap(swap):
         for t in (t1, t2):
             mode = getattr(t, "fake_mode", None)
             if mode is not None:
-                memo = mode.fake_tensor_converter.tensor_memo
-                for key in [k for k, v in list(memo.items()) if v is t1 or v is t2]:
-                    memo.pop(key, None)
+                # Other threads in the mode may convert meanwhile (``conversion_lock``).
+                with getattr(mode, "conversion_lock", contextlib.nullcontext()):
+                    memo = mode.fake_tensor_converter.tensor_memo
+                    for key in [k for k, v in list(memo.items()) if v is t1 or v is t2]:
+                        memo.pop(key, None)
         return swap(t1, t2)
 
     return swap_tensors

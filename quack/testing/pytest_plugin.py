@@ -39,8 +39,8 @@ Under ``--compile-only`` value comparisons are meaningless, so
 ``torch.testing.assert_close``, ``torch.allclose``, ``torch.equal`` (and their
 tensor-method forms) are no-ops that report a match while a GPU test runs:
 the test goes on to its end and warms every kernel it calls.  ``.item()``
-reads sentinels (1, 1.0, and False for a bool, so "is anything non-finite?"
-answers no).  Any exception, an ``AssertionError`` included (a bare
+reads sentinels (1, 1.0, and for a bool what healthy data answers: "is
+everything finite?" yes, "is anything non-finite?" no).  Any exception, an ``AssertionError`` included (a bare
 ``assert`` on values is a test bug: it reads sentinels), fails the test.  The
 terminal summary lists, per GPU test, how many objects it exported, how many
 it found already on disk and how many lookups this process had answered
@@ -240,7 +240,9 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem):
     patch = _comparisons_disabled()
     # One fake mode for the session: a module- or session-scoped fixture's
     # tensors, made in an earlier test, mix with this test's.
-    mode = item.config.stash.setdefault(_MODE_KEY, CompileOnlyFakeTensorMode())
+    if _MODE_KEY not in item.config.stash:
+        item.config.stash[_MODE_KEY] = CompileOnlyFakeTensorMode()
+    mode = item.config.stash[_MODE_KEY]
     try:
         with compile_only_mode(mode):
             result = yield
